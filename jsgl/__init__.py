@@ -1,0 +1,1 @@
+"""jsgl: SGLang rebuilt in JAX."""

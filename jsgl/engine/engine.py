@@ -1,0 +1,349 @@
+"""The engine: the public API over model runner + scheduler, with a background step loop.
+
+``submit`` validates and tokenizes on the caller's thread and hands the sequence to the loop; the loop
+thread alone touches the scheduler, the allocator and the device. Results and stream chunks flow back
+through each sequence's queue, so the API is thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsgl.engine.config import EngineConfig
+from jsgl.engine.detokenizer import IncrementalDetokenizer
+from jsgl.engine.kv_pool import SlotAllocator, slots_for_memory
+from jsgl.engine.model_runner import ForwardItem, ModelRunner, enable_compilation_cache
+from jsgl.engine.request import (
+    FinishReason,
+    GenerateOutput,
+    InvalidRequestError,
+    SamplingParams,
+    StreamChunk,
+    new_request_id,
+)
+from jsgl.engine.scheduler import Batch, Scheduler
+from jsgl.engine.sequence import Sequence
+from jsgl.model.loader import load_model
+from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
+
+log = logging.getLogger("jsgl.engine")
+
+
+class RequestHandle:
+    """A submitted request: wait for its result, stream it, or abort it."""
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self._engine, self._seq = engine, seq
+        self.request_id = seq.rid
+
+    def result(self, timeout: float | None = None) -> GenerateOutput:
+        if not self._seq.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+        assert self._seq.output is not None
+        return self._seq.output
+
+    def stream(self) -> Iterator[StreamChunk]:
+        while True:
+            chunk = self._seq.stream_queue.get()
+            yield chunk
+            if chunk.finished:
+                return
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+    @property
+    def done(self) -> bool:
+        return self._seq.done.is_set()
+
+
+class Engine:
+    def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **options: Any):
+        self.config = config or EngineConfig(model=model, **options)
+        cfg = self.config
+        enable_compilation_cache()
+        self.model_config, np_params = load_model(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
+        self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
+                               self.model_config.max_position_embeddings)
+        num_slots = cfg.num_kv_slots or slots_for_memory(self.model_config, cfg.kv_cache_gb, cfg.page_size)
+        num_slots -= num_slots % cfg.page_size
+        self.allocator = SlotAllocator(num_slots, cfg.page_size)
+        self.runner = ModelRunner(self.model_config, jax.tree.map(jnp.asarray, np_params), num_slots,
+                                  attention_backend=cfg.attention_backend, max_context=self.max_context)
+        del np_params
+        self.prefix_cache = self._make_prefix_cache()
+        self.scheduler = Scheduler(
+            self.allocator, self.prefix_cache, max_running=cfg.max_running_requests,
+            chunk_size=cfg.chunked_prefill_size, max_context=self.max_context,
+            attention_budget_bytes=int(cfg.attention_budget_gb * (1 << 30)),
+            attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting())
+        self._rng = random.Random(cfg.seed)
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._by_id: dict[str, Sequence] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.forward_passes = 0
+        self.step_time = 0.0
+        self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------------------- extension points
+    def _make_prefix_cache(self) -> Any | None:
+        return None
+
+    def _order_waiting(self) -> Any | None:
+        return None
+
+    # ---------------------------------------------------------------------------------- public API
+    def submit(self, prompt: str | Seq[int], sampling_params: SamplingParams | dict | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue one request; returns at once. Raises InvalidRequestError on bad input."""
+        params = SamplingParams.from_any(sampling_params)
+        params.validate()
+        ids = self._tokenize(prompt)
+        if len(ids) >= self.max_context:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
+        if len(ids) + 1 > self.allocator.capacity:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the KV pool holds {self.allocator.capacity}")
+        if params.logprob_start_len >= len(ids):
+            raise InvalidRequestError(f"logprob_start_len {params.logprob_start_len} >= prompt length")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seq = Sequence(
+            rid=request_id or new_request_id(), prompt_ids=ids, params=params,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens),
+            seed=seed, stop_ids=set() if params.ignore_eos else set(self.stop_ids),
+        )
+        seq.stop_ids |= set(params.stop_token_ids or [])
+        self._prepare_constraint(seq)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.append(seq)
+            self._by_id[seq.rid] = seq
+        self._wake.set()
+        return RequestHandle(self, seq)
+
+    def generate(self, prompts: str | Seq[int] | list, sampling_params: Any = None,
+                 progress: bool | None = None) -> GenerateOutput | list[GenerateOutput]:
+        """Generate for one prompt or a list (ids lists count as one prompt each); blocks."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
+        if len(params) != len(batch):
+            raise InvalidRequestError("need one sampling_params per prompt")
+        handles = [self.submit(p, sp) for p, sp in zip(batch, params)]
+        show = progress if progress is not None else (not single and len(batch) > 1)
+        if show:
+            from tqdm.auto import tqdm
+
+            outputs = [h.result() for h in tqdm(handles, desc="generate", unit="req")]
+        else:
+            outputs = [h.result() for h in handles]
+        return outputs[0] if single else outputs
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+        self._wake.set()
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return {
+            "forward_passes": self.forward_passes, "steps": s.steps, "extend_steps": s.extend_steps,
+            "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
+            "retractions": s.retractions, "compiles": self.runner.compiles,
+            "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
+            "mean_batch_size": float(np.mean(s.batch_sizes)) if s.batch_sizes else 0.0,
+            "step_time_s": self.step_time,
+        }
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._inbox and not self.scheduler.has_work()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------ helpers
+    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _prepare_constraint(self, seq: Sequence) -> None:
+        if seq.params.regex is not None or seq.params.json_schema is not None:
+            raise InvalidRequestError("constrained decoding (regex/json_schema) is not enabled in this engine")
+
+    # --------------------------------------------------------------------------------- step loop
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, set()
+                stopped = self._stopped
+            for seq in inbox:
+                self.scheduler.add(seq)
+            for rid in aborts:
+                self._abort_now(rid)
+            if stopped:
+                for seq in [*self.scheduler.waiting, *self.scheduler.prefilling, *self.scheduler.running]:
+                    self._finish(seq, FinishReason.ABORT, error="engine shut down")
+                return
+            if not self.scheduler.has_work():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # keep serving: fail the step's requests, not the engine
+                log.exception("engine step failed")
+                for seq in [*self.scheduler.prefilling, *self.scheduler.running]:
+                    self._finish(seq, FinishReason.ABORT, error=f"{type(exc).__name__}: {exc}")
+
+    def _abort_now(self, rid: str) -> None:
+        seq = self._by_id.get(rid)
+        if seq is not None and not seq.finished:
+            self._finish(seq, FinishReason.ABORT, error="aborted")
+
+    def step(self) -> Batch | None:
+        """Schedule and run one batch, then post-process its sampled tokens (engine thread only)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        t0 = time.perf_counter()
+        items = [self._forward_item(seq, chunk, batch.samples(i))
+                 for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))]
+        top = max((s.params.top_logprobs_num for s in batch.seqs if s.params.return_logprob), default=0)
+        want_prompt = (not batch.is_decode) and any(s.wants_prompt_logprobs for s in batch.seqs)
+        out = self.runner.run(items, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
+        self.forward_passes += 1
+        for i, seq in enumerate(batch.seqs):
+            self._absorb(seq, batch, i, out)
+        self.scheduler.after_step(batch)
+        self.step_time += time.perf_counter() - t0
+        return batch
+
+    def _forward_item(self, seq: Sequence, chunk: int, samples: bool) -> ForwardItem:
+        tokens = seq.token_ids
+        start = seq.num_computed
+        p = seq.params
+        item = ForwardItem(
+            token_ids=np.asarray(tokens[start: start + chunk], np.int32), start_pos=start,
+            slots=seq.slots, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
+            top_k=p.top_k, min_p=p.min_p, seed=seq.seed, step=len(seq.output_ids))
+        if seq.wants_prompt_logprobs:
+            nxt = tokens[start + 1: start + chunk + 1]
+            item.target_ids = np.asarray(nxt + [0] * (chunk - len(nxt)), np.int32)
+        if samples:
+            item.logit_bias = self._logit_bias(seq)
+            if seq.constraint is not None:
+                item.bitmask = seq.constraint.allowed_token_bitmask()
+        return item
+
+    def _logit_bias(self, seq: Sequence) -> np.ndarray | None:
+        p = seq.params
+        if not (p.frequency_penalty or p.presence_penalty) or not seq.output_ids:
+            return None
+        counts = np.bincount(np.asarray(seq.output_ids), minlength=self.model_config.vocab_size)
+        return (-p.frequency_penalty * counts - p.presence_penalty * (counts > 0)).astype(np.float32)
+
+    def _absorb(self, seq: Sequence, batch: Batch, i: int, out: Any) -> None:
+        chunk, start, samples = batch.chunks[i], seq.num_computed, batch.samples(i)
+        if out.prompt_logprobs is not None and seq.wants_prompt_logprobs:
+            self._collect_prompt_logprobs(seq, start, chunk, out, i)
+        seq.num_computed += chunk
+        if seq.finished or not samples:
+            return
+        if len(seq.output_ids) >= seq.max_new_tokens:  # prefill-only request (max_new_tokens == 0)
+            self._finish(seq, FinishReason.LENGTH)
+            return
+        token = int(out.tokens[i])
+        seq.output_ids.append(token)
+        if seq.params.return_logprob:
+            seq.output_logprobs.append(float(out.logprobs[i]))
+            if out.top_logprobs is not None and seq.params.top_logprobs_num:
+                k = seq.params.top_logprobs_num
+                vals, ids = out.top_logprobs
+                seq.output_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[i][:k], ids[i][:k])])
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
+        self._check_finish(seq, token)
+        seq.publish()
+        if seq.finished:
+            self._retire(seq)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
+        """Logprob of prompt token j comes from position j-1; keep those with j >= logprob_start_len."""
+        p = seq.params
+        if not seq.input_logprobs and p.logprob_start_len == 0:
+            seq.input_logprobs.append(None)
+            seq.input_top_logprobs.append(None)
+        first = max(p.logprob_start_len, 1)
+        values = out.prompt_logprobs[i]
+        for off in range(chunk):
+            j = start + off + 1  # the prompt token this position predicts
+            if j < first or j >= len(seq.prompt_ids) or j - p.logprob_start_len < len(seq.input_logprobs):
+                continue
+            seq.input_logprobs.append(float(values[off]))
+            if out.prompt_top_logprobs is not None and p.top_logprobs_num:
+                vals, ids = out.prompt_top_logprobs[i]
+                k = p.top_logprobs_num
+                seq.input_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[off][:k], ids[off][:k])])
+            else:
+                seq.input_top_logprobs.append(None)
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        if token in seq.stop_ids:
+            seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
+            seq.detok.add(seq.output_ids[:-1])
+            return
+        if seq.detok.add(seq.output_ids):
+            seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
+        elif seq.constraint is not None and seq.constraint.is_terminated():
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.max_context:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        seq.finish_reason, seq.error = reason, error
+        seq.publish()
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.drop(seq)
+        with self._lock:
+            self._by_id.pop(seq.rid, None)

@@ -1,0 +1,67 @@
+"""The token-granular KV pool: device buffers for K and V of every layer, and a host free-slot allocator.
+
+Slot 0 is reserved: padding tokens of a bucketed step write there, so it never holds a real token.
+With ``page_size > 1`` slots are handed out in whole pages (a page is ``page_size`` consecutive slots)
+so a request's positions ``[k*page, (k+1)*page)`` share one page; page size 1 is the paper's design.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsgl.model.config import ModelConfig
+
+
+def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1) -> int:
+    """How many token slots fit in a memory budget (rounded down to whole pages)."""
+    slots = int(memory_gb * (1 << 30)) // config.kv_bytes_per_token
+    return max(page_size * 2, slots - slots % page_size)
+
+
+def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None):
+    shape = (config.num_layers, config.num_kv_heads, num_slots, config.head_dim)
+    make = lambda: jnp.zeros(shape, jnp.float32, device=sharding)
+    return make(), make()
+
+
+class SlotAllocator:
+    """Free list of pool slots (page-granular). Host-side; the engine thread is its only user."""
+
+    def __init__(self, num_slots: int, page_size: int = 1):
+        if num_slots % page_size:
+            raise ValueError("num_slots must be a multiple of page_size")
+        self.num_slots = num_slots
+        self.page_size = page_size
+        # Page 0 holds the reserved padding slot; it is never handed out.
+        self._free_pages = list(range(num_slots // page_size - 1, 0, -1))
+        self._is_free = np.ones(num_slots // page_size, dtype=bool)
+        self._is_free[0] = False
+
+    @property
+    def capacity(self) -> int:
+        """Slots a request can ever use (all but the reserved page)."""
+        return self.num_slots - self.page_size
+
+    def num_free(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Slots of enough whole pages for ``num_tokens`` (a multiple of page_size), or None if short."""
+        pages = -(-num_tokens // self.page_size)
+        if pages > len(self._free_pages):
+            return None
+        taken = [self._free_pages.pop() for _ in range(pages)]
+        self._is_free[taken] = False
+        slots = (np.asarray(taken, np.int32)[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+        return slots.astype(np.int32)
+
+    def free(self, slots: np.ndarray) -> None:
+        if len(slots) == 0:
+            return
+        pages = np.unique(np.asarray(slots) // self.page_size)
+        if self._is_free[pages].any() or (pages == 0).any():
+            raise RuntimeError(f"double free of KV pages {pages[self._is_free[pages]].tolist()}")
+        self._is_free[pages] = True
+        self._free_pages.extend(pages.tolist())

@@ -1,0 +1,184 @@
+"""Runs one engine step on device: pads a ragged batch to shape buckets and calls the jitted step.
+
+Every dynamic dimension is bucketed (tokens T, requests B, new tokens per request S, attended length L)
+so a steady workload stops compiling after warm-up; ``compiles`` counts distinct step signatures.
+The KV pools are donated to each step and come back updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jsgl.engine.kv_pool import allocate_pool
+from jsgl.engine.sampler import SamplingInputs, sample
+from jsgl.kernels.attention import AttentionMetadata, get_attention_backend
+from jsgl.model.config import ModelConfig
+from jsgl.model.llama import forward_hidden, lm_logits
+from jsgl.model.registry import cache_dir
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum) (capped at ``maximum`` when given and n fits)."""
+    b = max(minimum, 1 << max(0, (max(n, 1) - 1).bit_length()))
+    return min(b, maximum) if maximum is not None and n <= maximum else b
+
+
+@dataclasses.dataclass
+class ForwardItem:
+    """One request's share of a step: its new tokens, where they go, and how to sample after them."""
+
+    token_ids: np.ndarray  # new tokens
+    start_pos: int  # position of the first new token
+    slots: np.ndarray  # pool slot of every position [0, start_pos + len(token_ids))
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+    bitmask: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
+    target_ids: np.ndarray | None = None  # next token of each new token, for prompt logprobs
+
+
+@dataclasses.dataclass
+class StepOutput:
+    tokens: np.ndarray  # [n] sampled after each item's last new token
+    logprobs: np.ndarray  # [n]
+    top_logprobs: tuple[np.ndarray, np.ndarray] | None  # ([n, K] values, [n, K] ids)
+    # Per item, logprob of each target (next prompt) token and its top-k, when asked.
+    prompt_logprobs: list[np.ndarray] | None = None
+    prompt_top_logprobs: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+
+def enable_compilation_cache() -> None:
+    path = os.environ.get("JSGL_JAX_CACHE", str(cache_dir() / "jax"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sampling,
+          *, config: ModelConfig, attention_backend: str, prompt_top_k: int):
+    attention = get_attention_backend(attention_backend)
+    hidden, kv = forward_hidden(params, kv, token_ids, write_slots, meta, config, attention)
+    tokens, logprobs, top_vals, top_ids = sample(lm_logits(params, hidden[sample_index]), sampling)
+    out = {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
+    if prompt_top_k >= 0:
+        all_logprobs = jax.nn.log_softmax(lm_logits(params, hidden), axis=-1)
+        out["prompt_logprobs"] = jnp.take_along_axis(all_logprobs, target_ids[:, None], axis=-1)[:, 0]
+        if prompt_top_k > 0:
+            out["prompt_top_vals"], out["prompt_top_ids"] = jax.lax.top_k(all_logprobs, prompt_top_k)
+    return kv, out
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
+                 attention_backend: str = "auto", max_context: int | None = None,
+                 kv_sharding: Any | None = None):
+        self.config = config
+        self.attention_backend = attention_backend
+        self.max_context = max_context or config.max_position_embeddings
+        self.num_slots = num_slots
+        self.kv = allocate_pool(config, num_slots, kv_sharding)
+        self.params = params
+        self.compiles = 0
+        self._signatures: set[tuple] = set()
+        self._step = jax.jit(
+            functools.partial(_step, config=config, attention_backend=attention_backend),
+            static_argnames=("prompt_top_k",), donate_argnums=(1,),
+        )
+
+    # ------------------------------------------------------------------------------ batch building
+    def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:
+        """Size of the padded attention scores of an extend batch (the scheduler bounds it)."""
+        return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
+                * bucket(max_len, 64) * 4)
+
+    def run(self, items: list[ForwardItem], *, top_logprobs: int = 0, prompt_top_k: int = -1) -> StepOutput:
+        """One forward + sample over ``items``; prompt_top_k >= 0 also returns prompt logprobs."""
+        n = len(items)
+        is_decode = all(len(it.token_ids) == 1 for it in items) and prompt_top_k < 0
+        q_lens = np.array([len(it.token_ids) for it in items], np.int32)
+        kv_lens = np.array([it.start_pos + len(it.token_ids) for it in items], np.int32)
+        num_b = bucket(n)
+        max_q = 1 if is_decode else bucket(int(q_lens.max()), 16)
+        num_t = num_b if is_decode else bucket(int(q_lens.sum()), 16)
+        max_l = bucket(int(kv_lens.max()), 64)
+
+        token_ids = np.zeros(num_t, np.int32)
+        write_slots = np.zeros(num_t, np.int32)  # padding writes land in reserved slot 0
+        positions = np.zeros(num_t, np.int32)
+        target_ids = np.zeros(num_t, np.int32)
+        q_start = np.zeros(num_b, np.int32)
+        q_len = np.zeros(num_b, np.int32)
+        block_table = np.zeros((num_b, max_l), np.int32)
+        lens = np.zeros(num_b, np.int32)
+        sample_index = np.zeros(num_b, np.int32)
+        offset = 0
+        for b, it in enumerate(items):
+            m = len(it.token_ids)
+            sl = slice(offset, offset + m)
+            token_ids[sl] = it.token_ids
+            positions[sl] = np.arange(it.start_pos, it.start_pos + m)
+            write_slots[sl] = it.slots[it.start_pos: it.start_pos + m]
+            if it.target_ids is not None:
+                target_ids[sl] = it.target_ids
+            q_start[b], q_len[b], lens[b] = offset, m, kv_lens[b]
+            block_table[b, : kv_lens[b]] = it.slots[: kv_lens[b]]
+            sample_index[b] = offset + m - 1
+            offset += m
+        meta = AttentionMetadata(positions, q_start, q_len, block_table, lens, max_q)
+        sampling = self._sampling_inputs(items, num_b, top_logprobs)
+
+        signature = (num_t, num_b, max_q, max_l, sampling.all_greedy, sampling.need_sort, top_logprobs,
+                     sampling.bitmask is not None, sampling.logit_bias is not None, prompt_top_k)
+        if signature not in self._signatures:
+            self._signatures.add(signature)
+            self.compiles += 1
+        self.kv, out = self._step(self.params, self.kv, token_ids, write_slots, meta, sample_index,
+                                  target_ids, sampling, prompt_top_k=prompt_top_k)
+        out = jax.device_get(out)
+        result = StepOutput(out["tokens"][:n], out["logprobs"][:n],
+                            (out["top_vals"][:n], out["top_ids"][:n]) if top_logprobs else None)
+        if prompt_top_k >= 0:
+            spans = [slice(q_start[b], q_start[b] + q_len[b]) for b in range(n)]
+            result.prompt_logprobs = [out["prompt_logprobs"][s] for s in spans]
+            if prompt_top_k > 0:
+                result.prompt_top_logprobs = [(out["prompt_top_vals"][s], out["prompt_top_ids"][s])
+                                              for s in spans]
+        return result
+
+    def _sampling_inputs(self, items: list[ForwardItem], num_b: int, top_logprobs: int) -> SamplingInputs:
+        vocab = self.config.vocab_size
+        temperature = np.zeros(num_b, np.float32)
+        top_p = np.ones(num_b, np.float32)
+        top_k = np.full(num_b, vocab, np.int32)
+        min_p = np.zeros(num_b, np.float32)
+        seeds = np.zeros(num_b, np.uint32)
+        steps = np.zeros(num_b, np.int32)
+        for b, it in enumerate(items):
+            temperature[b], top_p[b], min_p[b] = it.temperature, it.top_p, it.min_p
+            top_k[b] = vocab if it.top_k < 0 else min(it.top_k, vocab)
+            seeds[b], steps[b] = it.seed & 0xFFFFFFFF, it.step
+        bitmask = logit_bias = None
+        if any(it.bitmask is not None for it in items):
+            bitmask = np.full((num_b, -(-vocab // 32)), 0xFFFFFFFF, np.uint32)
+            for b, it in enumerate(items):
+                if it.bitmask is not None:
+                    bitmask[b] = it.bitmask
+        if any(it.logit_bias is not None for it in items):
+            logit_bias = np.zeros((num_b, vocab), np.float32)
+            for b, it in enumerate(items):
+                if it.logit_bias is not None:
+                    logit_bias[b] = it.logit_bias
+        sampled = temperature > 1e-5
+        need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
+        return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias,
+                              all_greedy=not sampled.any(), need_sort=need_sort, top_logprobs=top_logprobs)

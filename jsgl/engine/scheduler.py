@@ -1,0 +1,223 @@
+"""Continuous batching: admits waiting sequences, chunks long prefills, decodes the running batch.
+
+Each step is either an extend step (prefill chunks of newly admitted or partly prefilled sequences,
+after any cached prefix) or a decode step (one token for every running sequence). Extend steps go
+first so new requests start quickly; alternating keeps each step one of two shape families, which
+keeps compilation bounded. KV slots come from the allocator; when it runs short the prefix cache
+evicts unreferenced leaves, and a decode step that still cannot fit retracts the newest sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from jsgl.engine.kv_pool import SlotAllocator
+from jsgl.engine.sequence import Sequence
+
+
+@dataclasses.dataclass
+class Batch:
+    is_decode: bool
+    seqs: list[Sequence]
+    chunks: list[int]  # new tokens computed for each sequence this step
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches the end of its tokens this step (and so samples the next one)."""
+        seq = self.seqs[i]
+        return seq.num_computed + self.chunks[i] == seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    steps: int = 0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    retractions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_prefill_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, allocator: SlotAllocator, prefix_cache: Any | None, *, max_running: int,
+                 chunk_size: int, max_context: int, attention_budget_bytes: int,
+                 attention_bytes: Any, order_waiting: Any | None = None):
+        self.allocator = allocator
+        self.cache = prefix_cache
+        self.max_running = max_running
+        self.chunk_size = chunk_size
+        self.max_context = max_context
+        self.attention_budget_bytes = attention_budget_bytes
+        self.attention_bytes = attention_bytes  # (num_items, max_new, max_len) -> bytes
+        self.order_waiting = order_waiting  # policy hook: list[Sequence] -> list[Sequence]
+        self.waiting: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
+        self.running: list[Sequence] = []  # decoding
+        self.stats = SchedulerStats()
+
+    # ------------------------------------------------------------------------------------ state
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def num_active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    # ------------------------------------------------------------------------------- allocation
+    def _alloc(self, num: int) -> np.ndarray | None:
+        if num <= 0:
+            return np.zeros(0, np.int32)
+        slots = self.allocator.alloc(num)
+        if slots is None and self.cache is not None:
+            self.cache.evict(num - self.allocator.num_free())
+            slots = self.allocator.alloc(num)
+        return slots
+
+    def _grow(self, seq: Sequence, upto: int) -> bool:
+        """Make sure ``seq`` has slots for positions [0, upto)."""
+        missing = upto - len(seq.slots)
+        if missing <= 0:
+            return True
+        new = self._alloc(missing)
+        if new is None:
+            return False
+        seq.slots = np.concatenate([seq.slots, new])
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Give a sequence's KV back: into the prefix cache if there is one, else to the allocator."""
+        computed = seq.num_computed
+        if self.cache is not None:
+            page = self.allocator.page_size
+            keep = computed - computed % page
+            if keep > 0:
+                already = self.cache.insert(seq.token_ids[:keep], seq.slots[:keep])
+                # The tree already held [0, already); our own copies of [num_cached, already) duplicate it.
+                self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
+            else:
+                keep = seq.num_cached
+            self.allocator.free(seq.slots[max(keep, seq.num_cached):])
+            if seq.prefix_node is not None:
+                self.cache.dec_lock_ref(seq.prefix_node)
+        else:
+            self.allocator.free(seq.slots)
+        seq.slots = np.zeros(0, np.int32)
+        seq.prefix_node = None
+        seq.num_computed = seq.num_cached = 0
+
+    # ---------------------------------------------------------------------------------- batching
+    def schedule(self) -> Batch | None:
+        self.running = [s for s in self.running if not s.finished]
+        batch = self._schedule_extend()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        if batch is not None:
+            self.stats.steps += 1
+            self.stats.batch_sizes.append(len(batch.seqs))
+            if batch.is_decode:
+                self.stats.decode_steps += 1
+            else:
+                self.stats.extend_steps += 1
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        if self.cache is None:
+            return
+        # Always compute at least the last token (its logits pick the next one), and recompute
+        # from where prompt logprobs are wanted (they need the logits of the preceding position).
+        limit = seq.num_tokens - 1
+        if seq.wants_prompt_logprobs:
+            limit = min(limit, max(seq.params.logprob_start_len - 1, 0))
+        slots, node = self.cache.match_prefix(seq.token_ids[:limit])
+        page = self.allocator.page_size
+        usable = len(slots) - len(slots) % page
+        seq.slots, seq.prefix_node = np.asarray(slots[:usable], np.int32), node
+        seq.num_computed = seq.num_cached = usable
+        self.cache.inc_lock_ref(node)
+
+    def _schedule_extend(self) -> Batch | None:
+        budget = self.chunk_size
+        seqs: list[Sequence] = []
+        chunks: list[int] = []
+
+        def fits(seq: Sequence, chunk: int) -> bool:
+            items = len(seqs) + 1
+            max_new = max([chunk, *chunks])
+            max_len = max([seq.num_computed + chunk, *(s.num_computed + c for s, c in zip(seqs, chunks))])
+            return not seqs or self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
+
+        for seq in list(self.prefilling):
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if chunk <= 0 or not fits(seq, chunk) or not self._grow(seq, seq.num_computed + chunk):
+                break
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        if self.waiting and self.order_waiting is not None:
+            self.waiting = self.order_waiting(self.waiting)
+        while self.waiting and budget > 0 and self.num_active() < self.max_running:
+            seq = self.waiting[0]
+            self._match_prefix(seq)
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if not fits(seq, chunk) or not self._grow(seq, seq.num_computed + chunk):
+                self.release(seq)
+                break
+            self.waiting.pop(0)
+            if seq.cached_tokens_reported == 0 and not seq.output_ids:
+                seq.cached_tokens_reported = seq.num_cached
+                self.stats.prompt_tokens += seq.num_tokens
+                self.stats.cached_tokens += seq.num_cached
+            self.prefilling.append(seq)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        if not seqs:
+            return None
+        self.stats.computed_prefill_tokens += sum(chunks)
+        return Batch(False, seqs, chunks)
+
+    def _schedule_decode(self) -> Batch | None:
+        # Newest first out when memory runs short, so older requests keep making progress.
+        self.running.sort(key=lambda s: s.arrival_time)
+        while self.running:
+            short = [s for s in self.running if len(s.slots) < s.num_tokens]
+            if all(self._grow(s, s.num_tokens) for s in short):
+                break
+            self.retract(self.running[-1])
+        if not self.running:
+            return None
+        return Batch(True, list(self.running), [1] * len(self.running))
+
+    def retract(self, seq: Sequence) -> None:
+        """Free a running sequence's KV and requeue it; its tokens so far are recomputed later."""
+        self.running.remove(seq)
+        self.release(seq)
+        self.waiting.insert(0, seq)
+        self.stats.retractions += 1
+
+    def after_step(self, batch: Batch) -> None:
+        """Move sequences whose prefill completed into the running set; drop finished ones."""
+        for seq in batch.seqs:
+            if seq in self.prefilling and (seq.finished or seq.num_computed >= seq.num_tokens - 1):
+                self.prefilling.remove(seq)
+                if not seq.finished:
+                    self.running.append(seq)
+        self.running = [s for s in self.running if not s.finished]
+
+    def drop(self, seq: Sequence) -> None:
+        """Remove a sequence from every queue (finished or aborted) and free its KV."""
+        for queue in (self.waiting, self.prefilling, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.prefix_node is not None or len(seq.slots):
+            self.release(seq)
+
+    def now(self) -> float:
+        return time.monotonic()

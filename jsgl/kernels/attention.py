@@ -1,0 +1,106 @@
+"""Paged attention over the token-granular KV pool: the interface every backend implements.
+
+The model writes the new tokens' K/V into the pool first, then calls ``paged_attention``: each query
+attends to its request's slots ``block_table[b, :kv_lens[b]]`` up to (and including) its own position.
+Because ``block_table[b, j]`` holds the slot of position ``j``, "causal over the new tokens" and "full
+over the cached prefix" are the same mask: ``j <= position``. Prefill, extend-after-prefix and decode
+(``max_q_len == 1``) are therefore one function.
+
+Pool layout is head-major, ``[num_kv_heads, num_slots, head_dim]`` per layer: measured faster on XLA CPU
+than token-major, and it is the layout the Pallas kernels (``jsgl.kernels.pallas_*``) read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token sits and which pool slots each request attends over.
+
+    T new tokens (flat, ragged across B requests), padded to a bucket; padding tokens have
+    ``positions == -1`` semantics handled by the caller (they write to the reserved slot 0 and their
+    outputs are ignored).
+    """
+
+    positions: jax.Array  # [T] int32, absolute position of each new token in its sequence
+    q_start: jax.Array  # [B] int32, index of a request's first new token in the flat batch
+    q_len: jax.Array  # [B] int32, number of new tokens of a request (0 for padding rows)
+    block_table: jax.Array  # [B, L] int32, pool slot of each position of each request (pad: 0)
+    kv_lens: jax.Array  # [B] int32, positions cached after this step (prefix + new)
+    max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # S, static bucket
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata, float], jax.Array]
+
+
+def _padded_token_index(meta: AttentionMetadata, num_tokens: int) -> jax.Array:
+    """[B, S] flat index of each request's s-th new token, or ``num_tokens`` (out of range) for padding."""
+    s = jnp.arange(meta.max_q_len, dtype=jnp.int32)[None, :]
+    idx = meta.q_start[:, None] + s
+    return jnp.where(s < meta.q_len[:, None], idx, num_tokens)
+
+
+def native_paged_attention(
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, scale: float
+) -> jax.Array:
+    """Pure-JAX reference and CPU path.
+
+    q: [T, Hq, D]; k_pool, v_pool: [Hkv, N, D] (this layer). Returns [T, Hq, D].
+    Gathers each request's keys by slot, regroups the flat queries into [B, S] by ``q_start``/``q_len``,
+    and masks keys by ``j <= position`` and ``j < kv_len``.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    batch = meta.block_table.shape[0]
+
+    tok_idx = _padded_token_index(meta, num_tokens)  # [B, S]
+    qp = jnp.take(q, tok_idx, axis=0, mode="fill", fill_value=0)  # [B, S, Hq, D]
+    pos = jnp.take(meta.positions, tok_idx, axis=0, mode="fill", fill_value=-1)  # [B, S]
+    qp = qp.reshape(batch, meta.max_q_len, num_kv_heads, group, head_dim)
+    qp = qp.transpose(2, 3, 0, 1, 4)  # [Hkv, G, B, S, D] head-major
+
+    k = k_pool[:, meta.block_table]  # [Hkv, B, L, D]
+    v = v_pool[:, meta.block_table]
+    scores = jnp.einsum("hgbsd,hbld->hgbsl", qp, k) * scale
+    key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
+    mask = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < meta.kv_lens[:, None, None])
+    scores = jnp.where(mask[None, None], scores, -jnp.inf)
+    # Padding queries have no valid key: keep their softmax finite, their output is never read.
+    scores = jnp.where(mask.any(-1)[None, None, :, :, None], scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("hgbsl,hbld->hgbsd", probs, v)  # [Hkv, G, B, S, D]
+    out = out.transpose(2, 3, 0, 1, 4).reshape(batch * meta.max_q_len, num_q_heads, head_dim)
+
+    # Scatter back to the flat token order; padding rows go to an out-of-range index and are dropped.
+    flat = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
+    return flat.at[tok_idx.reshape(-1)].set(out, mode="drop")
+
+
+_BACKENDS: dict[str, AttentionFn] = {"native": native_paged_attention}
+
+
+def register_attention_backend(name: str, fn: AttentionFn) -> None:
+    """Kernel modules register themselves here (e.g. ``pallas``) so the model stays backend-agnostic."""
+    _BACKENDS[name] = fn
+
+
+def get_attention_backend(name: str) -> AttentionFn:
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "native"
+    if name == "pallas" and "pallas" not in _BACKENDS:
+        import jsgl.kernels.pallas_attention  # noqa: F401  (registers itself)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)} or 'auto'")
+    return _BACKENDS[name]

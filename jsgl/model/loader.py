@@ -1,0 +1,192 @@
+"""Load weights into one float32 pytree: from GGUF (dequantized) or HF safetensors folders.
+
+Converted weights are cached as safetensors beside the saved tokenizer, so the second start skips
+dequantization.
+
+The params pytree (matrices stored [in, out] so the model computes ``x @ w``; layers stacked on axis 0
+so the forward scans over them)::
+
+    embed [V, D], final_norm [D], lm_head [D, V] (absent when tied to embed)
+    layers: attn_norm [L, D], wq [L, D, Hq*hd], wk/wv [L, D, Hkv*hd], wo [L, Hq*hd, D],
+            (bq [L, Hq*hd], bk/bv [L, Hkv*hd] with attention bias), mlp_norm [L, D],
+            w_gate/w_up [L, D, I], w_down [L, I, D]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from jsgl.model.config import ModelConfig
+from jsgl.model.registry import model_cache_dir, resolve_model_path
+
+Params = dict[str, Any]
+
+# Our per-layer name -> (GGUF tensor name, HF tensor name); matrices are [out, in] in both files.
+_LAYER_TENSORS = {
+    "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
+    "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "wk": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "wv": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
+    "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
+    "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
+    "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+}
+_GLOBAL_TENSORS = {
+    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
+    "final_norm": ("output_norm.weight", "model.norm.weight"),
+    "lm_head": ("output.weight", "lm_head.weight"),
+}
+
+
+def load_model(model: str | os.PathLike) -> tuple[ModelConfig, Params]:
+    """Config and float32 numpy params of a model alias, .gguf file or HF folder."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return config, _load_hf(path, config)
+    cache = model_cache_dir(path)
+    config_file, weights_file = cache / "config.json", cache / "params.safetensors"
+    if config_file.exists() and weights_file.exists():
+        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+        return config, _unflatten(load_file(weights_file))
+    hf_config, params = _load_gguf(path)
+    config = ModelConfig.from_hf(hf_config)
+    tmp = weights_file.with_suffix(".tmp")
+    save_file(_flatten(params), tmp)
+    os.replace(tmp, weights_file)
+    config_file.write_text(json.dumps(hf_config))
+    return config, params
+
+
+def _flatten(params: Params) -> dict[str, np.ndarray]:
+    flat = {k: v for k, v in params.items() if k != "layers"}
+    flat.update({f"layers.{k}": v for k, v in params["layers"].items()})
+    return flat
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> Params:
+    params: Params = {"layers": {}}
+    for key, value in flat.items():
+        if key.startswith("layers."):
+            params["layers"][key.removeprefix("layers.")] = value
+        else:
+            params[key] = value
+    return params
+
+
+def _stack_layers(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    out = {}
+    for name in per_layer[0]:
+        arr = np.stack([layer[name] for layer in per_layer])
+        # Matrices [out, in] -> [in, out]; norms and biases stay 1-D per layer.
+        out[name] = np.ascontiguousarray(arr.transpose(0, 2, 1)) if arr.ndim == 3 else arr
+    return out
+
+
+def _finish(tensors: dict[str, np.ndarray], per_layer: list[dict[str, np.ndarray]], tied: bool) -> Params:
+    params: Params = {"embed": tensors["embed"], "final_norm": tensors["final_norm"]}
+    if not tied:
+        params["lm_head"] = np.ascontiguousarray(tensors["lm_head"].T)
+    params["layers"] = _stack_layers(per_layer)
+    return params
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion, which interleaves each head's rotary halves for its RoPE kernel."""
+    out_dim = weight.shape[0]
+    return (
+        weight.reshape(num_heads, out_dim // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_config(reader: Any) -> dict[str, Any]:
+    def field(name: str, default: Any = None) -> Any:
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    names = {t.name for t in reader.tensors}
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    return {
+        "model_type": arch,
+        "vocab_size": field(f"{arch}.vocab_size") or int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _load_gguf(path: Path) -> tuple[dict[str, Any], Params]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    hf_config = _gguf_config(reader)
+    config = ModelConfig.from_hf(hf_config)
+
+    def tensor(name: str) -> np.ndarray:
+        t = by_name[name]
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    by_name = {t.name: t for t in reader.tensors}
+    tensors = {ours: tensor(g) for ours, (g, _) in _GLOBAL_TENSORS.items() if g in by_name}
+    per_layer = []
+    for i in range(config.num_layers):
+        layer = {ours: tensor(f"blk.{i}.{g}") for ours, (g, _) in _LAYER_TENSORS.items()
+                 if f"blk.{i}.{g}" in by_name}
+        layer["wq"] = _unpermute_qk(layer["wq"], config.num_heads)
+        layer["wk"] = _unpermute_qk(layer["wk"], config.num_kv_heads)
+        for bias, heads in (("bq", config.num_heads), ("bk", config.num_kv_heads)):
+            if bias in layer:
+                layer[bias] = _unpermute_qk(layer[bias], heads)
+        per_layer.append(layer)
+    return hf_config, _finish(tensors, per_layer, config.tie_word_embeddings)
+
+
+# ------------------------------------------------------------------------------------------------ HF
+def _load_hf(path: Path, config: ModelConfig) -> Params:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has config.json but no *.safetensors weights")
+    raw: dict[str, np.ndarray] = {}
+    for f in files:
+        raw.update(load_file(f))
+
+    def get(name: str) -> np.ndarray:
+        return np.asarray(raw[name], dtype=np.float32)
+
+    tensors = {ours: get(h) for ours, (_, h) in _GLOBAL_TENSORS.items() if h in raw}
+    tied = config.tie_word_embeddings or "lm_head" not in tensors
+    per_layer = [
+        {ours: get(f"model.layers.{i}.{h}") for ours, (_, h) in _LAYER_TENSORS.items()
+         if f"model.layers.{i}.{h}" in raw}
+        for i in range(config.num_layers)
+    ]
+    return _finish(tensors, per_layer, tied)

