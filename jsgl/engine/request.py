@@ -82,7 +82,7 @@ class SamplingParams:
               "stop must be a string or a list of strings")
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop string or stop token, or the grammar ended
     LENGTH = "length"  # max_new_tokens or the context length
     ABORT = "abort"  # cancelled by the caller or failed
