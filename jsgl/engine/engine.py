@@ -112,6 +112,13 @@ class Engine:
     def submit(self, prompt: str | Seq[int], sampling_params: SamplingParams | dict | None = None,
                request_id: str | None = None) -> RequestHandle:
         """Queue one request; returns at once. Raises InvalidRequestError on bad input."""
+        return self._enqueue([self._make_sequence(prompt, sampling_params, request_id)])[0]
+
+    def submit_batch(self, prompts: list, sampling_params: list) -> list[RequestHandle]:
+        """Queue several requests atomically: the scheduler sees them in the same step."""
+        return self._enqueue([self._make_sequence(p, sp, None) for p, sp in zip(prompts, sampling_params)])
+
+    def _make_sequence(self, prompt: str | Seq[int], sampling_params: Any, request_id: str | None) -> Sequence:
         params = SamplingParams.from_any(sampling_params)
         params.validate()
         ids = self._tokenize(prompt)
@@ -131,13 +138,16 @@ class Engine:
         )
         seq.stop_ids |= set(params.stop_token_ids or [])
         self._prepare_constraint(seq)
+        return seq
+
+    def _enqueue(self, seqs: list[Sequence]) -> list[RequestHandle]:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.append(seq)
-            self._by_id[seq.rid] = seq
+            self._inbox.extend(seqs)
+            self._by_id.update((seq.rid, seq) for seq in seqs)
         self._wake.set()
-        return RequestHandle(self, seq)
+        return [RequestHandle(self, seq) for seq in seqs]
 
     def generate(self, prompts: str | Seq[int] | list, sampling_params: Any = None,
                  progress: bool | None = None) -> GenerateOutput | list[GenerateOutput]:
@@ -147,7 +157,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         if len(params) != len(batch):
             raise InvalidRequestError("need one sampling_params per prompt")
-        handles = [self.submit(p, sp) for p, sp in zip(batch, params)]
+        handles = self.submit_batch(batch, params)
         show = progress if progress is not None else (not single and len(batch) > 1)
         if show:
             from tqdm.auto import tqdm
@@ -302,9 +312,9 @@ class Engine:
         if seq.constraint is not None:
             seq.constraint.advance(token)
         self._check_finish(seq, token)
-        seq.publish()
-        if seq.finished:
+        if seq.finished:  # free KV before waking the caller, so "done" implies "released"
             self._retire(seq)
+        seq.publish()
 
     def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
         """Logprob of prompt token j comes from position j-1; keep those with j >= logprob_start_len."""
@@ -340,8 +350,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         seq.finish_reason, seq.error = reason, error
-        seq.publish()
         self._retire(seq)
+        seq.publish()
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.drop(seq)

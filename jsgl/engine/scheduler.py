@@ -213,11 +213,11 @@ class Scheduler:
 
     def drop(self, seq: Sequence) -> None:
         """Remove a sequence from every queue (finished or aborted) and free its KV."""
+        if seq.prefix_node is not None or len(seq.slots):
+            self.release(seq)
         for queue in (self.waiting, self.prefilling, self.running):
             if seq in queue:
                 queue.remove(seq)
-        if seq.prefix_node is not None or len(seq.slots):
-            self.release(seq)
 
     def now(self) -> float:
         return time.monotonic()

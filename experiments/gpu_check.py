@@ -1,0 +1,198 @@
+"""Check the Pallas paged-attention kernels against the reference on a CUDA GPU, and time them.
+
+    python experiments/gpu_check.py                      # Llama-7B-like shapes on the GPU
+    python experiments/gpu_check.py --kv-heads 8 --dtypes bfloat16 --iters 50
+    python experiments/gpu_check.py --cpu-smoke          # tiny shapes, Pallas interpret mode, any machine
+
+For every (kv heads, dtype) it builds a pool with shuffled (non-contiguous) slots and runs
+
+* decode: ``--batch`` requests, one new token each, ``--context`` cached tokens;
+* extend: ``--extend-batch`` requests with ``--extend-new`` new tokens after a cached prefix, total
+  ``--context`` tokens each;
+
+through ``pallas_paged_attention`` and ``native_paged_attention`` (both jitted), prints the max abs error
+of each against a float32 reference on the same (upcast) inputs, the median time over ``--iters`` runs
+after ``--warmup`` runs (``block_until_ready``), and for decode the K/V bytes read divided by the time as
+a fraction of ``--peak-bw`` (default 4.8e12 B/s, H200 HBM3e). For extend it also prints TFLOP/s. The exit
+status is 1 when any error is over tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.kernels.pallas_attention import default_num_splits, pallas_paged_attention
+
+TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="decode batch")
+    p.add_argument("--context", type=int, default=4096, help="tokens per request after this step")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--splitk-batch", type=int, default=4, help="small decode batch (exercises split-K); 0: skip")
+    p.add_argument("--extend-batch", type=int, default=8)
+    p.add_argument("--extend-new", type=int, default=512, help="new tokens per extend request")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peak-bw", type=float, default=4.8e12, help="peak HBM bandwidth, B/s")
+    p.add_argument("--decode-block-k", type=int, default=64)
+    p.add_argument("--num-splits", type=int, default=None, help="decode split-K (default: heuristic)")
+    p.add_argument("--extend-block-q", type=int, default=64)
+    p.add_argument("--extend-block-k", type=int, default=64)
+    p.add_argument("--skip-extend", action="store_true")
+    p.add_argument("--skip-native-timing", action="store_true", help="don't time the reference")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Pallas interpret mode (any backend)")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim = 3, 40, 4, [2], 16
+        args.splitk_batch, args.extend_batch, args.extend_new, args.iters, args.warmup = 1, 2, 9, 2, 1
+        args.decode_block_k, args.extend_block_q, args.extend_block_k, args.num_splits = 8, 4, 8, 2
+    return args
+
+
+def make_batch(key, *, batch, context, new, q_heads, kv_heads, head_dim, dtype):
+    """Pool with ``batch * context`` used slots in shuffled order (+ the dummy slot 0), and metadata."""
+    num_slots = batch * context + 1
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    slots = 1 + jax.random.permutation(kp, batch * context).astype(jnp.int32)
+    block_table = slots.reshape(batch, context)
+    k_pool = jax.random.normal(kk, (kv_heads, num_slots, head_dim), jnp.float32).astype(dtype)
+    v_pool = jax.random.normal(kv, (kv_heads, num_slots, head_dim), jnp.float32).astype(dtype)
+    tokens = batch * new
+    q = jax.random.normal(kq, (tokens, q_heads, head_dim), jnp.float32).astype(dtype)
+    kv_lens = jnp.full((batch,), context, jnp.int32)
+    positions = (context - new + jnp.arange(tokens, dtype=jnp.int32) % new).astype(jnp.int32)
+    meta = AttentionMetadata(
+        positions=positions,
+        q_start=jnp.arange(batch, dtype=jnp.int32) * new,
+        q_len=jnp.full((batch,), new, jnp.int32),
+        block_table=block_table,
+        kv_lens=kv_lens,
+        max_q_len=new,
+    )
+    return q, k_pool, v_pool, meta
+
+
+def median_time(fn, args, iters, warmup):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def check(kind, batch, args, kv_heads, dtype_name, interpret):
+    dtype = jnp.dtype(dtype_name)
+    decode = kind == "decode"
+    new = 1 if decode else args.extend_new
+    key = jax.random.key(args.seed)
+    q, k_pool, v_pool, meta = make_batch(
+        key,
+        batch=batch,
+        context=args.context,
+        new=new,
+        q_heads=args.q_heads,
+        kv_heads=kv_heads,
+        head_dim=args.head_dim,
+        dtype=dtype,
+    )
+    scale = args.head_dim**-0.5
+    kernel = jax.jit(
+        functools.partial(
+            pallas_paged_attention,
+            scale=scale,
+            decode_block_k=args.decode_block_k,
+            num_splits=args.num_splits,
+            extend_block_q=args.extend_block_q,
+            extend_block_k=args.extend_block_k,
+            interpret=interpret,
+        )
+    )
+    native = jax.jit(native_paged_attention, static_argnums=4)
+
+    out = jax.block_until_ready(kernel(q, k_pool, v_pool, meta))
+    exact = native(*(x.astype(jnp.float32) for x in (q, k_pool, v_pool)), meta, scale)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - exact)))
+    ref_err = "n/a"  # float32: the reference *is* the exact computation
+    if dtype != jnp.float32:
+        native_out = native(q, k_pool, v_pool, meta, scale).astype(jnp.float32)
+        ref_err = f"{float(jnp.max(jnp.abs(native_out - exact))):.2e}"
+        del native_out
+    del exact
+    ok = err <= TOLERANCE[dtype_name] and bool(jnp.all(jnp.isfinite(out)))
+
+    t_kernel = median_time(kernel, (q, k_pool, v_pool, meta), args.iters, args.warmup)
+    t_native = float("nan")
+    if not args.skip_native_timing:
+        t_native = median_time(lambda *a: native(*a, scale), (q, k_pool, v_pool, meta), args.iters, args.warmup)
+
+    kv_bytes = 2 * batch * args.context * kv_heads * args.head_dim * dtype.itemsize  # K and V, once each
+    if decode:
+        splits = args.num_splits or default_num_splits(batch, kv_heads, args.context, args.decode_block_k)
+        extra = f"splits={splits}  K/V {kv_bytes / 1e9:.2f} GB -> {kv_bytes / t_kernel / 1e9:.0f} GB/s = "
+        extra += f"{kv_bytes / t_kernel / args.peak_bw:.1%} of peak {args.peak_bw / 1e12:.2f} TB/s"
+    else:
+        # Visible keys per query: the prefix plus the causal part of the new tokens.
+        prefix = args.context - new
+        pairs = batch * (new * prefix + new * (new + 1) // 2)
+        flops = 4 * pairs * args.q_heads * args.head_dim
+        extra = f"{flops / t_kernel / 1e12:.1f} TFLOP/s; K/V read once would be "
+        extra += f"{kv_bytes / t_kernel / args.peak_bw:.1%} of peak bandwidth"
+    print(
+        f"{kind:6s} {dtype_name:8s} Hq={args.q_heads} Hkv={kv_heads} D={args.head_dim} B={batch} "
+        f"ctx={args.context} new={new}: max|err| pallas={err:.2e} native={ref_err} "
+        f"[{'ok' if ok else 'FAIL'}]  pallas {t_kernel * 1e3:.3f} ms  native {t_native * 1e3:.3f} ms  {extra}",
+        flush=True,
+    )
+    return ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = jax.default_backend()
+    if args.cpu_smoke:
+        interpret = True
+    elif backend != "gpu":
+        print(
+            f"gpu_check: the default JAX backend is {backend!r} ({jax.devices()[0].device_kind}), not a GPU; "
+            "the compiled (Triton) kernels need a CUDA GPU. Run with --cpu-smoke for a tiny interpret-mode "
+            "check.",
+            file=sys.stderr,
+        )
+        return 2
+    else:
+        interpret = False
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} (interpret={interpret})", flush=True)
+    ok = True
+    for kv_heads in args.kv_heads:
+        for dtype_name in args.dtypes:
+            runs = [("decode", args.batch)]
+            if args.splitk_batch:
+                runs.append(("decode", args.splitk_batch))
+            if not args.skip_extend:
+                runs.append(("extend", args.extend_batch))
+            for kind, batch in runs:
+                ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
+    print("all ok" if ok else "SOME CHECKS FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

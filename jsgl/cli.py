@@ -1,0 +1,143 @@
+"""The `jsgl` command: generate, chat, serve, bench — with the engine's ablation switches as flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from jsgl.engine.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (``--kv-cache-gb``, ``--prefix-cache``, ``--schedule-policy`` ...)."""
+    choices = {
+        "prefix_cache": ["radix", "flat", "none"],
+        "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
+        "attention_backend": ["auto", "native", "pallas"],
+    }
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in ("bool", bool):
+            parser.add_argument(flag, type=lambda v: v.lower() in ("1", "on", "true", "yes"),
+                                default=field.default, metavar="on|off")
+        else:
+            kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=field.default, choices=choices.get(field.name))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed_sample, "stop": args.stop or None}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed-sample", type=int, default=None, help="seed of this request's sampling")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jsgl.engine.engine import Engine
+
+    engine = Engine(config=engine_config(args))
+    try:
+        handle = engine.submit(args.prompt, _sampling(args))
+        sys.stdout.write(args.prompt)
+        for chunk in handle.stream():
+            sys.stdout.write(chunk.text_delta)
+            sys.stdout.flush()
+        out = handle.result()
+        sys.stdout.write("\n")
+        if args.verbose:
+            print(out.meta_info, engine.stats(), file=sys.stderr)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from jsgl.engine.engine import Engine
+
+    engine = Engine(config=engine_config(args))
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    try:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            sys.stdout.write("assistant> ")
+            handle = engine.submit(prompt, _sampling(args))
+            for chunk in handle.stream():
+                sys.stdout.write(chunk.text_delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": handle.result().text})
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jsgl.server.app import serve
+
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(f"experiments.bench_{args.which}")
+    return module.main(rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jsgl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt (streams to stdout)")
+    gen.add_argument("prompt")
+    gen.add_argument("-v", "--verbose", action="store_true")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+    chat = sub.add_parser("chat", help="chat with the model using its chat template")
+    chat.add_argument("--system", default=None)
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    serve = sub.add_parser("serve", help="HTTP server: SGLang /generate and the OpenAI API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--api-key", default=None)
+    add_engine_args(serve)
+    bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
+    bench.add_argument("which", help="e.g. decode, radix, json, server")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

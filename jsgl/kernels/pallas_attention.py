@@ -1,0 +1,508 @@
+"""Pallas paged-attention kernels over the token-granular KV pool (the "pallas" attention backend).
+
+Same contract as :func:`jsgl.kernels.attention.native_paged_attention`: ``q [T, Hq, D]``, per-layer pools
+``k_pool, v_pool [Hkv, N, D]`` (slot 0 is a reserved dummy), :class:`AttentionMetadata`; returns
+``[T, Hq, D]``. Query token ``t`` of request ``b`` attends to keys ``j`` with ``j <= positions[t]`` and
+``j < kv_lens[b]``, key ``j`` living in pool slot ``block_table[b, j]``. Tokens not covered by any
+request's ``[q_start, q_start + q_len)`` come back as zeros, as in the reference.
+
+Two kernels, chosen by :func:`pallas_paged_attention` on the static ``meta.max_q_len``:
+
+* **decode** (``max_q_len == 1``), :func:`paged_decode_attention`: grid ``(B, Hkv, num_splits)``. One
+  program owns one request, one KV head and all ``G = Hq // Hkv`` query heads of that KV head (GQA:
+  each K/V row is read once for the whole group; the group is padded to ``block_h`` rows, >= 16 on
+  GPU because ``tl.dot`` needs M >= 16). Split-K: the request's ``cdiv(len, block_k)`` KV blocks are
+  cut into ``num_splits`` contiguous ranges *by its actual length* (so short requests don't pay for
+  the table width), each program runs an online softmax over its range and writes un-normalised
+  ``(acc, max, sum)`` partials in float32; a small jnp reduction (log-sum-exp merge) combines them.
+* **extend / prefill** (``max_q_len > 1``), :func:`paged_extend_attention`: grid
+  ``(B, Hq, cdiv(max_q_len, block_q))``. One program owns ``block_q`` new tokens of one request and one
+  query head; it reads them straight from the flat ragged ``q`` at ``q_start[b] + i * block_q`` with a
+  masked load (rows ``>= q_len[b]`` masked, programs past ``q_len`` do nothing), loops over KV blocks
+  ``[0, min(kv_len, max position + 1))`` with online softmax, masks ``j <= position & j < kv_len``
+  (causal over the new tokens and full over the cached prefix at once) and does a masked store of its
+  rows into the flat output.
+
+**KV gather.** Scalar prefetch (``PrefetchScalarGridSpec``) is TPU-only and the Triton lowering rejects
+it, so the slot table travels as an ordinary input block: the request's row of the (zero-padded)
+``block_table`` is the block, a ``block_k`` window of it is loaded with ``bt_ref[pl.ds(j0, block_k)]``,
+out-of-range positions are redirected to the dummy slot 0, and the K/V rows are gathered from the
+whole per-head pool block with an integer-array index ``k_ref[slots, :]``. In the Triton lowering
+that is a pointer-tensor gather ``base + slot * D + d`` (``tt.load`` on a ``[block_k, D]`` pointer tensor,
+same mechanism as ``jax.experimental.pallas.ops.gpu.paged_attention``'s ``k_pages_ref[block_tables]``);
+in interpret mode it discharges to an XLA gather. No K/V is copied outside the kernel.
+
+**Lowering notes (jax 0.10.2).** Written for the Pallas **Triton** GPU lowering (``plgpu.load/store``
+masks, ``CompilerParams(num_warps, num_stages)``): every loaded/stored tile has power-of-two size
+(``block_h``, ``block_k``, ``block_q``, ``head_dim`` must be powers of two, and >= 16 for ``tl.dot`` on GPU);
+one indexer per ref access; float32 dots use ``precision=HIGHEST`` (IEEE, not TF32) so float32 matches the
+reference. The Triton path is deprecated in newer jax in favour of Mosaic GPU; the kernels sit behind
+two small functions (``_decode_partials`` and ``_extend_call``: pool + table + lengths in, partials /
+flat output out) so a Mosaic GPU version can replace them without touching the wrappers.
+On CPU, ``interpret=True`` (the default there) runs the same kernel bodies through the Pallas HLO
+interpreter; that is what the tests check.
+
+Differences from the reference only in degenerate cases: a query that is covered by a request but has
+no valid key (``positions < 0`` or ``kv_len == 0``) gets zeros here, the mean of its table's V there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jsgl.kernels.attention import AttentionMetadata, register_attention_backend
+
+# Module-level switch: None = decide per call (interpret on CPU, compiled Triton on GPU).
+INTERPRET: bool | None = None
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf NaNs in online softmax
+_MIN_DOT = 16  # tl.dot needs M, N, K >= 16
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    if interpret is not None:
+        return interpret
+    if INTERPRET is not None:
+        return INTERPRET
+    return jax.default_backend() == "cpu"
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _check_block(name: str, n: int, interpret: bool) -> None:
+    if not _is_pow2(n):
+        raise ValueError(f"{name}={n} must be a power of two (Pallas Triton tile sizes)")
+    if not interpret and n < _MIN_DOT:
+        raise ValueError(f"{name}={n} must be >= {_MIN_DOT} on GPU (tl.dot minimum)")
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
+    return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
+    """2-D matmul with float32 accumulation; IEEE float32 (not TF32) when the inputs are float32."""
+    contract_b = 1 if trans_b else 0
+    return lax.dot_general(
+        a,
+        b,
+        (((1,), (contract_b,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _pad_table(block_table: jax.Array, block_k: int) -> jax.Array:
+    """Pad the slot table's width to a multiple of ``block_k`` with the dummy slot 0."""
+    width = block_table.shape[1]
+    padded = pl.cdiv(max(width, 1), block_k) * block_k
+    if padded != width:
+        block_table = jnp.pad(block_table, ((0, 0), (0, padded - width)))
+    return block_table.astype(jnp.int32)
+
+
+def _gather_kv(bt_ref, k_ref, v_ref, first_key, length, block_k: int):
+    """Slots and K/V rows ``[block_k, D]`` of positions ``first_key + [0, block_k)`` (invalid -> slot 0)."""
+    key_pos = first_key + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    slots = bt_ref[pl.ds(first_key, block_k)]
+    slots = jnp.where(key_pos < length, slots, 0)
+    return key_pos, k_ref[slots, :], v_ref[slots, :]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode: one query token per request, all G query heads of a KV head per program, split-K.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _decode_kernel(
+    len_ref,  # [1] int32: keys [0, len) of this request
+    q_ref,  # [block_h, D]
+    bt_ref,  # [Lp] int32: this request's slot table, zero padded
+    k_ref,  # [N, D]: this KV head's pool
+    v_ref,  # [N, D]
+    o_ref,  # [block_h, D] float32, un-normalised
+    m_ref,  # [block_h] float32, running max
+    l_ref,  # [block_h] float32, running sum
+    *,
+    scale: float,
+    block_k: int,
+    num_splits: int,
+):
+    split = pl.program_id(2)
+    length = len_ref[0]
+    block_h, head_dim = q_ref.shape
+    q = q_ref[...]
+
+    num_blocks = pl.cdiv(length, block_k)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    count = jnp.maximum(jnp.minimum(first + per_split, num_blocks) - first, 0)
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, (first + i) * block_k, length, block_k)
+        s = _dot(q, k, trans_b=True) * scale  # [block_h, block_k]
+        valid = (key_pos < length)[None, :]
+        s = jnp.where(valid, s, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+        l_next = alpha * l_prev + p.sum(axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((block_h, head_dim), jnp.float32),
+        jnp.full((block_h,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+    )
+    acc, m_run, l_run = lax.fori_loop(0, count, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m_run
+    l_ref[...] = l_run
+
+
+def _decode_partials(
+    q_grp: jax.Array,  # [B, Hkv, block_h, D]
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
+    lengths: jax.Array,  # [B] int32
+    *,
+    scale: float,
+    block_k: int,
+    num_splits: int,
+    interpret: bool,
+    num_warps: int,
+    num_stages: int,
+):
+    """The decode kernel call: per-split partials ``(acc [P,B,Hkv,block_h,D], m, l [P,B,Hkv,block_h])``."""
+    batch, num_kv_heads, block_h, head_dim = q_grp.shape
+    num_slots = k_pool.shape[1]
+    width = block_table.shape[1]
+    kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, num_splits=num_splits)
+    part = (num_splits, batch, num_kv_heads, block_h)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),
+            pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (s, b, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
+        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}",
+    )(lengths, q_grp, block_table, k_pool, v_pool)
+
+
+def _combine_splits(acc: jax.Array, m_run: jax.Array, l_run: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of split-K partials over axis 0; rows without any key give 0."""
+    m_all = m_run.max(axis=0)
+    w = jnp.exp(m_run - m_all[None])
+    l_all = (l_run * w).sum(axis=0)
+    o = (acc * w[..., None]).sum(axis=0)
+    return o / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+
+
+def default_num_splits(batch: int, num_kv_heads: int, table_width: int, block_k: int) -> int:
+    """Split-K heuristic: enough programs to fill a big GPU (~512), >= 4 KV blocks per split, <= 16."""
+    blocks = pl.cdiv(max(table_width, 1), block_k)
+    want = pl.cdiv(512, max(batch * num_kv_heads, 1))
+    return int(max(1, min(16, want, blocks // 4)))
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    block_k: int = 64,
+    block_h: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Decode attention (one new token per request). ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
+
+    ``block_h``: query-head rows per program (the GQA group, padded; default next power of two of G,
+    at least 16 on GPU). ``num_splits``: split-K partitions (default :func:`default_num_splits`).
+    """
+    interpret = _resolve_interpret(interpret)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    group = num_q_heads // num_kv_heads
+    if group * num_kv_heads != num_q_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    batch, width = meta.block_table.shape
+    if block_h is None:
+        block_h = max(pl.next_power_of_2(group), 1 if interpret else _MIN_DOT)
+    if block_h < group:
+        raise ValueError(f"block_h={block_h} < GQA group {group}")
+    _check_block("block_h", block_h, interpret)
+    _check_block("block_k", block_k, interpret)
+    _check_block("head_dim", head_dim, interpret)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, width, block_k)
+
+    # One query per request: gather it, group heads by KV head, pad the group to block_h rows.
+    real = meta.q_len > 0
+    q_idx = jnp.clip(meta.q_start, 0, num_tokens - 1)
+    pos = jnp.take(meta.positions, q_idx, axis=0)
+    # Keys j < min(kv_len, pos + 1, L): the reference mask, as one length per request.
+    lengths = jnp.where(real, jnp.clip(jnp.minimum(meta.kv_lens, pos + 1), 0, width), 0).astype(jnp.int32)
+    q_grp = jnp.take(q, q_idx, axis=0).reshape(batch, num_kv_heads, group, head_dim)
+    if block_h != group:
+        q_grp = jnp.pad(q_grp, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+
+    acc, m_run, l_run = _decode_partials(
+        q_grp,
+        k_pool,
+        v_pool,
+        _pad_table(meta.block_table, block_k),
+        lengths,
+        scale=scale,
+        block_k=block_k,
+        num_splits=num_splits,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    o = _combine_splits(acc, m_run, l_run)[:, :, :group]  # [B, Hkv, G, D]
+    o = o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    dest = jnp.where(real, meta.q_start, num_tokens)
+    return jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype).at[dest].set(o, mode="drop")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Extend / prefill: ragged new tokens, causal over themselves, full over the cached prefix.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _extend_kernel(
+    qs_ref,  # [1] int32 q_start[b]
+    ql_ref,  # [1] int32 q_len[b]
+    kvl_ref,  # [1] int32 kv_len[b]
+    pos_ref,  # [T] int32 positions (all tokens)
+    q_ref,  # [T, D]: all tokens, this query head
+    bt_ref,  # [Lp] int32: this request's slot table
+    k_ref,  # [N, D]: this query head's KV head
+    v_ref,  # [N, D]
+    o_ref,  # [T, D]: all tokens, this query head
+    *,
+    scale: float,
+    block_q: int,
+    block_k: int,
+):
+    q_block = pl.program_id(2)
+    q_len = ql_ref[0]
+    row0 = q_block * block_q
+
+    @pl.when(row0 < q_len)
+    def _():
+        head_dim = q_ref.shape[1]
+        start = qs_ref[0] + row0
+        kv_len = kvl_ref[0]
+        row_ok = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0) < q_len
+        row_ok_2d = jnp.broadcast_to(row_ok[:, None], (block_q, head_dim))
+        q = plgpu.load(q_ref.at[pl.ds(start, block_q), :], mask=row_ok_2d, other=0.0)
+        pos = plgpu.load(pos_ref.at[pl.ds(start, block_q)], mask=row_ok, other=-1)
+        pos = jnp.where(row_ok, pos, -1)
+        hi = jnp.minimum(kv_len, pos.max() + 1)  # keys [0, hi) can be visible to some row
+        num_blocks = jnp.maximum(pl.cdiv(hi, block_k), 0)
+
+        def body(i, carry):
+            acc, m_prev, l_prev = carry
+            key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, i * block_k, kv_len, block_k)
+            s = _dot(q, k, trans_b=True) * scale  # [block_q, block_k]
+            valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
+            s = jnp.where(valid, s, _MASK_VALUE)
+            m_next = jnp.maximum(m_prev, s.max(axis=1))
+            alpha = jnp.exp(m_prev - m_next)
+            p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+            l_next = alpha * l_prev + p.sum(axis=1)
+            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+            return acc, m_next, l_next
+
+        init = (
+            jnp.zeros((block_q, head_dim), jnp.float32),
+            jnp.full((block_q,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+        )
+        acc, _, l_run = lax.fori_loop(0, num_blocks, body, init)
+        out = acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]
+        plgpu.store(o_ref.at[pl.ds(start, block_q), :], out.astype(o_ref.dtype), mask=row_ok_2d)
+
+
+def _extend_call(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    positions: jax.Array,  # [T] int32
+    q_start: jax.Array,  # [B] int32
+    q_len: jax.Array,  # [B] int32
+    kv_lens: jax.Array,  # [B] int32
+    block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
+    *,
+    max_q_len: int,
+    scale: float,
+    block_q: int,
+    block_k: int,
+    interpret: bool,
+    num_warps: int,
+    num_stages: int,
+) -> jax.Array:
+    """The extend kernel call: flat ``[T, Hq, D]`` output, rows not covered by any request undefined."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_slots, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    batch, width = block_table.shape
+    kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k)
+    per_req = lambda b, h, i: (b,)
+    kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda b, h, i: (h // group, 0, 0))
+    tok_spec = pl.BlockSpec((num_tokens, None, head_dim), lambda b, h, i: (0, h, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_q_heads, pl.cdiv(max_q_len, block_q)),
+        in_specs=[
+            pl.BlockSpec((1,), per_req),
+            pl.BlockSpec((1,), per_req),
+            pl.BlockSpec((1,), per_req),
+            pl.BlockSpec((num_tokens,), lambda b, h, i: (0,)),
+            tok_spec,
+            pl.BlockSpec((None, width), lambda b, h, i: (b, 0)),
+            kv_spec,
+            kv_spec,
+        ],
+        out_specs=tok_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
+        name=f"jsgl_paged_extend_bq{block_q}_bk{block_k}",
+    )(q_start, q_len, kv_lens, positions, q, block_table, k_pool, v_pool)
+
+
+def paged_extend_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    block_q: int = 64,
+    block_k: int = 64,
+    interpret: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Extend/prefill attention over ragged new tokens. ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+    interpret = _resolve_interpret(interpret)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[0]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    batch, width = meta.block_table.shape
+    # No point in query tiles (much) taller than the longest request.
+    block_q = min(block_q, max(pl.next_power_of_2(meta.max_q_len), 1 if interpret else _MIN_DOT))
+    _check_block("block_q", block_q, interpret)
+    _check_block("block_k", block_k, interpret)
+    _check_block("head_dim", head_dim, interpret)
+
+    q_len = jnp.clip(meta.q_len, 0, meta.max_q_len).astype(jnp.int32)
+    kv_lens = jnp.clip(meta.kv_lens, 0, width).astype(jnp.int32)
+    out = _extend_call(
+        q,
+        k_pool,
+        v_pool,
+        meta.positions.astype(jnp.int32),
+        meta.q_start.astype(jnp.int32),
+        q_len,
+        kv_lens,
+        _pad_table(meta.block_table, block_k),
+        max_q_len=meta.max_q_len,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    # Zero the rows no request covers (the kernel leaves them untouched/uninitialised), like the reference.
+    tok = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+    covered = ((tok >= meta.q_start[None, :]) & (tok < (meta.q_start + q_len)[None, :])).any(axis=1)
+    return jnp.where(covered[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backend entry point.
+# ----------------------------------------------------------------------------------------------------
+
+
+def pallas_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    decode_block_k: int = 64,
+    decode_block_h: int | None = None,
+    num_splits: int | None = None,
+    extend_block_q: int = 64,
+    extend_block_k: int = 64,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """The "pallas" backend: decode kernel when ``meta.max_q_len == 1``, extend kernel otherwise."""
+    if not isinstance(scale, (int, float)):  # traced scale: fold it into q, kernels get a static 1.0
+        q = (q * scale).astype(q.dtype)
+        scale = 1.0
+    scale = float(scale)
+    if meta.max_q_len == 1:
+        return paged_decode_attention(
+            q,
+            k_pool,
+            v_pool,
+            meta,
+            scale,
+            block_k=decode_block_k,
+            block_h=decode_block_h,
+            num_splits=num_splits,
+            interpret=interpret,
+        )
+    return paged_extend_attention(
+        q, k_pool, v_pool, meta, scale, block_q=extend_block_q, block_k=extend_block_k, interpret=interpret
+    )
+
+
+register_attention_backend("pallas", pallas_paged_attention)
+
+__all__ = [
+    "INTERPRET",
+    "default_num_splits",
+    "paged_decode_attention",
+    "paged_extend_attention",
+    "pallas_paged_attention",
+]

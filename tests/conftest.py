@@ -1,0 +1,50 @@
+"""Shared fixtures: one engine and one transformers reference model per test session (both are slow to build)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from jsgl.engine.engine import Engine
+
+    eng = Engine(model="smollm2-135m", kv_cache_gb=0.25, max_running_requests=32, chunked_prefill_size=256)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """SmolLM2 loaded by transformers from the same GGUF: the numerical reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jsgl.model.registry import resolve_model_path
+
+    torch.set_num_threads(2)
+    path = resolve_model_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from jsgl.model.tokenizer import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+def wait_idle(engine, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not engine.idle():
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine did not become idle")
+        time.sleep(0.01)

@@ -1,0 +1,175 @@
+"""Engine behaviour on the real model: batching invariance, stops, lengths, streaming, errors, no leaks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import wait_idle
+from jsgl.engine.engine import Engine
+from jsgl.engine.request import FinishReason, InvalidRequestError
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Christopher Columbus sailed across the Atlantic Ocean and reached the islands of the",
+    "Python is a programming language that",
+    "1, 1, 2, 3, 5, 8,",
+    "Dear Sir or Madam, I am writing to you because I recently bought one of your vacuum cleaners and",
+]
+
+
+def assert_no_leak(engine):
+    wait_idle(engine)
+    assert engine.allocator.num_free() + _cached(engine) == engine.allocator.capacity
+
+
+def _cached(engine) -> int:
+    cache = engine.prefix_cache
+    return 0 if cache is None else cache.total_size()
+
+
+def test_batch_equals_alone(engine):
+    alone = [engine.generate(p, GREEDY).token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    assert batched == alone
+    assert_no_leak(engine)
+
+
+def test_request_joining_mid_decode(engine):
+    long_params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected_late = engine.generate(PROMPTS[1], GREEDY).token_ids
+    expected_early = engine.generate(PROMPTS[0], long_params).token_ids
+    early = engine.submit(PROMPTS[0], long_params)
+    seen = 0
+    for chunk in early.stream():  # wait until the first request is decoding
+        seen = len(chunk.token_ids)
+        if seen >= 8:
+            break
+    late = engine.submit(PROMPTS[1], GREEDY)
+    assert late.result(timeout=120).token_ids == expected_late
+    assert early.result(timeout=120).token_ids == expected_early
+    assert seen >= 8
+    assert_no_leak(engine)
+
+
+def test_max_new_tokens_exact(engine):
+    for n in (1, 7):
+        out = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+        assert out.completion_tokens == len(out.token_ids) == n
+        assert out.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_string_cut_exactly_even_across_tokens(engine, tokenizer):
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    full = engine.generate(PROMPTS[4], params)
+    # Pick a stop string that straddles a token boundary of the greedy output.
+    pieces = [tokenizer.decode([t]) for t in full.token_ids]
+    boundary = len(pieces[0]) + len(pieces[1]) + len(pieces[2])
+    stop = full.text[boundary - 2: boundary + 2]
+    assert len(stop) == 4 and stop in full.text
+    out = engine.generate(PROMPTS[4], {**params, "stop": [stop, "never-appears-xyz"]})
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.finish_reason == FinishReason.STOP and out.matched_stop == stop
+    # A stop token id ends generation too and is reported as the matched stop.
+    tok = full.token_ids[5]
+    out = engine.generate(PROMPTS[4], {**params, "stop_token_ids": [tok]})
+    assert out.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
+    assert out.matched_stop == tok
+    assert_no_leak(engine)
+
+
+def test_streaming_concatenates_to_final_text(engine):
+    handle = engine.submit(PROMPTS[3], {"temperature": 0, "max_new_tokens": 20, "stop": "13"})
+    chunks = list(handle.stream())
+    assert chunks[-1].finished
+    final = handle.result()
+    assert "".join(c.text_delta for c in chunks) == final.text
+    assert "13" not in final.text
+
+
+def test_sampling_is_seeded(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "max_new_tokens": 16}
+    a = engine.generate(PROMPTS[0], {**params, "seed": 7}).token_ids
+    b = engine.generate(PROMPTS[0], {**params, "seed": 7}).token_ids
+    others = {tuple(engine.generate(PROMPTS[0], {**params, "seed": s}).token_ids) for s in range(3)}
+    assert a == b
+    assert len(others | {tuple(a)}) > 1
+
+
+def test_output_logprobs_consistent_with_prompt_logprobs(engine, tokenizer):
+    out = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": 6, "return_logprob": True,
+                                       "top_logprobs_num": 2, "ignore_eos": True})
+    assert len(out.output_logprobs) == 6
+    # Greedy: the chosen token is the top-1 of its distribution.
+    for lp, top in zip(out.output_logprobs, out.output_top_logprobs):
+        assert abs(lp - top[0][0]) < 1e-5
+    # Scoring prompt + output as a prompt gives the same logprobs for the output tokens.
+    ids = tokenizer(PROMPTS[2]).input_ids
+    scored = engine.generate(ids + out.token_ids, {"max_new_tokens": 0, "return_logprob": True,
+                                                   "logprob_start_len": len(ids)})
+    assert scored.input_logprobs == pytest.approx(out.output_logprobs, abs=1e-3)
+
+
+def test_abort_frees_kv(engine):
+    handle = engine.submit(PROMPTS[0], {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0})
+    for chunk in handle.stream():
+        if len(chunk.token_ids) >= 3:
+            handle.abort()
+            break
+    out = handle.result(timeout=60)
+    assert out.finish_reason == FinishReason.ABORT
+    assert_no_leak(engine)
+
+
+def test_steady_workload_compiles_nothing_new(engine):
+    engine.generate(PROMPTS, GREEDY)
+    before = engine.stats()["compiles"]
+    engine.generate(PROMPTS, GREEDY)
+    assert engine.stats()["compiles"] == before
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", {}, "empty"),
+        ([], {}, "empty"),
+        ("hi", {"max_new_tokens": -1}, "max_new_tokens"),
+        ("hi", {"temperature": -0.5}, "temperature"),
+        ("hi", {"top_p": 0}, "top_p"),
+        ("hi", {"no_such_param": 1}, "unknown sampling parameters"),
+        ([10**7], {}, "token ids"),
+    ],
+)
+def test_bad_input_is_a_clear_error(engine, prompt, params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.submit(prompt, params)
+
+
+def test_prompt_longer_than_context_is_rejected_and_engine_keeps_serving(engine):
+    too_long = list(range(100, 100 + engine.max_context + 5))
+    with pytest.raises(InvalidRequestError, match="context length"):
+        engine.submit(too_long, {})
+    assert engine.generate("Hello", {"max_new_tokens": 2, "temperature": 0}).completion_tokens == 2
+
+
+def test_unknown_model_path():
+    with pytest.raises(FileNotFoundError, match="unknown model"):
+        Engine(model="/no/such/model/dir")
+
+
+def test_memory_pressure_retracts_and_completes():
+    """A pool too small for every request at once still finishes all of them, correctly."""
+    small = Engine(model="smollm2-135m", num_kv_slots=160, prefix_cache="none", max_running_requests=8)
+    try:
+        params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+        alone = [small.generate(p, params).token_ids for p in PROMPTS[:4]]
+        t0 = time.monotonic()
+        together = [o.token_ids for o in small.generate(PROMPTS[:4], params)]
+        assert together == alone, f"after {time.monotonic() - t0:.1f}s"
+        assert small.stats()["retractions"] > 0
+        wait_idle(small)
+        assert small.allocator.num_free() == small.allocator.capacity
+    finally:
+        small.shutdown()

@@ -1,0 +1,222 @@
+"""Pallas paged-attention kernels vs the pure-JAX reference, in Pallas interpret mode on CPU.
+
+Tiny shapes on purpose: interpret mode runs the kernel body once per grid step. Pools use shuffled,
+non-contiguous slots; lengths include 1 and non-multiples of the KV block; GQA ratios 1, 3 and 7.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
+from jsgl.kernels.pallas_attention import (
+    paged_decode_attention,
+    paged_extend_attention,
+    pallas_paged_attention,
+)
+
+HEAD_DIM = 16
+SCALE = HEAD_DIM**-0.5
+GQA = [(3, 3), (9, 3), (7, 1)]  # (Hq, Hkv): group 1, 3, 7
+
+
+def make_case(
+    seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, width=None, gap=0, extra_tokens=0, dtype=jnp.float32
+):
+    """Random pool + a batch whose requests own shuffled slots; returns (q, k_pool, v_pool, meta)."""
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    q_lens = np.asarray(q_lens, np.int32)
+    batch = len(kv_lens)
+    width = width or int(kv_lens.max())
+    num_slots = int(kv_lens.sum()) + 7  # a few never-used slots, plus the dummy slot 0
+    slots = rng.permutation(np.arange(1, num_slots))
+    block_table = np.zeros((batch, width), np.int32)
+    off = 0
+    for b, n in enumerate(kv_lens):
+        block_table[b, :n] = slots[off : off + n]
+        off += n
+    # Ragged flat token layout with optional gaps between requests and padding tokens at the end.
+    q_start = np.zeros(batch, np.int32)
+    t = 0
+    for b in range(batch):
+        q_start[b] = t
+        t += q_lens[b] + gap
+    num_tokens = t + extra_tokens
+    positions = np.full(num_tokens, -1, np.int32)
+    for b in range(batch):
+        positions[q_start[b] : q_start[b] + q_lens[b]] = kv_lens[b] - q_lens[b] + np.arange(q_lens[b])
+    meta = AttentionMetadata(
+        positions=jnp.asarray(positions),
+        q_start=jnp.asarray(q_start),
+        q_len=jnp.asarray(q_lens),
+        block_table=jnp.asarray(block_table),
+        kv_lens=jnp.asarray(kv_lens),
+        max_q_len=max(1, int(q_lens.max())),
+    )
+    k_pool = jnp.asarray(rng.standard_normal((num_kv_heads, num_slots, HEAD_DIM)), dtype)
+    v_pool = jnp.asarray(rng.standard_normal((num_kv_heads, num_slots, HEAD_DIM)), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, HEAD_DIM)), dtype)
+    return q, k_pool, v_pool, meta
+
+
+_reference = jax.jit(native_paged_attention, static_argnums=4)
+
+
+def reference(q, k_pool, v_pool, meta):
+    return _reference(q, k_pool, v_pool, meta, SCALE)
+
+
+def run(kernel, q, k_pool, v_pool, meta, **kwargs):
+    """The kernel under ``jax.jit`` (eager dispatch of the wrapper ops costs more than the kernel here)."""
+    return jax.jit(functools.partial(kernel, scale=SCALE, interpret=True, **kwargs))(q, k_pool, v_pool, meta)
+
+
+def assert_close(out, ref, atol=1e-4):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=atol, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,num_splits", [(3, 3, 1), (9, 3, 3), (7, 1, 2)])
+def test_decode_matches_reference(num_q_heads, num_kv_heads, num_splits):
+    # Lengths 1, < block, == block, non-multiples, > several blocks; one padding row (q_len 0) and
+    # padding tokens at the end of the flat batch; table width 37 is not a multiple of block_k.
+    kv_lens = [1, 5, 8, 37, 0, 19]
+    q_lens = [1, 1, 1, 1, 0, 1]
+    q, k, v, meta = make_case(
+        num_q_heads * 10 + num_splits, num_q_heads, num_kv_heads, kv_lens, q_lens, width=37, extra_tokens=2
+    )
+    ref = reference(q, k, v, meta)
+    out = run(paged_decode_attention, q, k, v, meta, block_k=8, num_splits=num_splits)
+    assert_close(out, ref)
+
+
+def test_decode_gpu_tiling_and_auto_splits():
+    # block_h=16 (the GPU minimum: the group of 3 is padded to 16 rows), default split-K heuristic,
+    # more splits than some requests have blocks (empty splits must merge to nothing).
+    q, k, v, meta = make_case(7, 6, 2, [3, 70, 1, 16], [1, 1, 1, 1], width=72)
+    ref = reference(q, k, v, meta)
+    out = run(paged_decode_attention, q, k, v, meta, block_k=8, block_h=16)
+    assert_close(out, ref)
+    out = run(paged_decode_attention, q, k, v, meta, block_k=16, num_splits=8)
+    assert_close(out, ref)
+
+
+def test_decode_bfloat16():
+    q, k, v, meta = make_case(3, 8, 2, [9, 30, 1], [1, 1, 1], dtype=jnp.bfloat16)
+    ref = reference(*(x.astype(jnp.float32) for x in (q, k, v)), meta)
+    out = run(paged_decode_attention, q, k, v, meta, block_k=8, num_splits=2)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------- extend
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["prefill", "with_prefix"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", GQA)
+def test_extend_matches_reference(num_q_heads, num_kv_heads, prefix):
+    # q_len 1, a padding row (q_len 0), several query blocks (9 > block_q=4), non-multiples of block_k;
+    # gaps between requests and trailing padding tokens in the flat batch must come back as zeros.
+    q_lens = [1, 9, 0, 3, 6]
+    prefixes = [4, 0, 0, 13, 2] if prefix else [0, 0, 0, 0, 0]
+    kv_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    q, k, v, meta = make_case(
+        num_q_heads + 100 * prefix,
+        num_q_heads,
+        num_kv_heads,
+        kv_lens,
+        q_lens,
+        width=max(kv_lens) + 3,
+        gap=1,
+        extra_tokens=3,
+    )
+    ref = reference(q, k, v, meta)
+    out = run(paged_extend_attention, q, k, v, meta, block_q=4, block_k=8)
+    assert_close(out, ref)
+    tail = np.asarray(out[-3:])
+    assert np.all(tail == 0)
+
+
+def test_extend_single_block_tiles():
+    # One query tile covering a whole request and a KV block longer than every request.
+    q, k, v, meta = make_case(5, 4, 2, [7, 2, 11], [7, 1, 5])
+    ref = reference(q, k, v, meta)
+    out = run(paged_extend_attention, q, k, v, meta, block_q=8, block_k=16)
+    assert_close(out, ref)
+
+
+# ------------------------------------------------------------------------------------------------ dispatcher
+
+
+def test_backend_registered_and_dispatches():
+    assert get_attention_backend("pallas") is pallas_paged_attention
+    fn = jax.jit(
+        functools.partial(
+            pallas_paged_attention, scale=SCALE, decode_block_k=8, extend_block_q=4, extend_block_k=8, interpret=True
+        )
+    )
+    for q_lens, kv_lens in (([1, 1, 0], [6, 17, 0]), ([2, 5, 0], [6, 17, 0])):
+        q, k, v, meta = make_case(11, 9, 3, kv_lens, q_lens, extra_tokens=1)
+        assert meta.is_decode == (max(q_lens) == 1)
+        assert_close(fn(q, k, v, meta), reference(q, k, v, meta))
+
+
+# ---------------------------------------------------------------------------------------- GPU lowering (CPU)
+
+
+def _triton_modules(fn, *args):
+    """Lower ``fn`` for CUDA on this (GPU-less) machine and return the Triton IR modules it embeds."""
+    tl = pytest.importorskip("jax._src.pallas.triton.lowering")
+    from jax._src.lib.mlir import ir
+
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region:
+                for inner in block:
+                    if inner.name == "stablehlo.custom_call":
+                        calls.append(inner)
+                    walk(inner)
+
+    walk(hlo.operation)
+    modules = []
+    for call in calls:
+        if "triton" not in ir.StringAttr(call.attributes["call_target_name"]).value:
+            continue
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        with tl._new_ir_context():
+            module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
+            assert module.operation.verify()
+            modules.append(str(module))
+    return modules
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_ir(dtype):
+    # Checks the compiled (non-interpret) path down to verified Triton IR with Llama-like head sizes.
+    # It does not run Triton's PTX compiler: that needs a GPU build of jaxlib (see experiments/gpu_check.py).
+    batch, width, num_slots = 2, 256, 1024
+    k = jax.ShapeDtypeStruct((8, num_slots, 128), dtype)
+    for max_q_len in (1, 32):
+        tokens = batch * max_q_len
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        meta = AttentionMetadata(
+            i32(tokens), i32(batch), i32(batch), i32(batch, width), i32(batch), max_q_len=max_q_len
+        )
+        q = jax.ShapeDtypeStruct((tokens, 32, 128), dtype)
+        fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
+        modules = _triton_modules(fn, q, k, k, meta)
+        assert len(modules) == 1
+        assert "tt.dot" in modules[0] and "scf.for" in modules[0]
+        assert "tf32" not in modules[0]  # float32 dots stay IEEE (tt.dot's default input precision)
