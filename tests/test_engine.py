@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import wait_idle
+
 from jsgl.engine.engine import Engine
 from jsgl.engine.request import FinishReason, InvalidRequestError
 

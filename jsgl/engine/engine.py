@@ -35,6 +35,10 @@ from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.model.loader import load_model
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
+from jsgl.radix.flat_cache import FlatCache
+from jsgl.radix.metrics import DistinctPrefixCounter
+from jsgl.radix.radix_cache import RadixCache
+from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
 log = logging.getLogger("jsgl.engine")
 
@@ -96,6 +100,8 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self._flush: list[tuple[threading.Event, list[bool]]] = []
+        self._distinct = DistinctPrefixCounter()
         self.forward_passes = 0
         self.step_time = 0.0
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
@@ -103,10 +109,19 @@ class Engine:
 
     # --------------------------------------------------------------------------- extension points
     def _make_prefix_cache(self) -> Any | None:
-        return None
+        mode = self.config.prefix_cache
+        if mode == "none":
+            return None
+        cache_cls = RadixCache if mode == "radix" else FlatCache
+        return cache_cls(page_size=self.config.page_size, free_slots=self.allocator.free)
 
-    def _order_waiting(self) -> Any | None:
-        return None
+    def _order_waiting(self) -> Any:
+        policy, starvation = self.config.schedule_policy, self.config.starvation_s
+        if policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; known: {POLICIES}")
+        rng = random.Random(self.config.seed)
+        return lambda waiting: order_waiting(waiting, policy, self.prefix_cache, time.monotonic(),
+                                             starvation, rng=rng)
 
     # ---------------------------------------------------------------------------------- public API
     def submit(self, prompt: str | Seq[int], sampling_params: SamplingParams | dict | None = None,
@@ -172,9 +187,27 @@ class Engine:
             self._aborts.add(request_id)
         self._wake.set()
 
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        """Empty the prefix cache; refused (False) while requests are queued or running."""
+        done, result = threading.Event(), [False]
+        with self._lock:
+            if self._inbox:
+                return False
+            self._flush.append((done, result))
+        self._wake.set()
+        done.wait(timeout)
+        return result[0]
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
+        cache = self.prefix_cache
+        tree = {} if cache is None else {
+            "cache_tokens": cache.total_size(), "evicted_tokens": cache.evicted_tokens_total,
+            "tree_time_s": cache.match_time_s + cache.insert_time_s + cache.evict_time_s}
         return {
+            **tree,
+            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "optimal_hit_rate": self._distinct.optimal_hit_rate,
             "forward_passes": self.forward_passes, "steps": s.steps, "extend_steps": s.extend_steps,
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
@@ -226,7 +259,9 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 stopped = self._stopped
             for seq in inbox:
+                self._distinct.add(seq.prompt_ids)
                 self.scheduler.add(seq)
+            self._run_flushes()
             for rid in aborts:
                 self._abort_now(rid)
             if stopped:
@@ -243,6 +278,17 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in [*self.scheduler.prefilling, *self.scheduler.running]:
                     self._finish(seq, FinishReason.ABORT, error=f"{type(exc).__name__}: {exc}")
+
+    def _run_flushes(self) -> None:
+        with self._lock:
+            flushes, self._flush = self._flush, []
+        for done, result in flushes:
+            if not self.scheduler.has_work():
+                if self.prefix_cache is not None:
+                    self.prefix_cache.evict(self.prefix_cache.total_size())
+                self._distinct = DistinctPrefixCounter()
+                result[0] = True
+            done.set()
 
     def _abort_now(self, rid: str) -> None:
         seq = self._by_id.get(rid)

@@ -202,8 +202,31 @@ class Scheduler:
         self.waiting.insert(0, seq)
         self.stats.retractions += 1
 
+    def cache_computed_prefix(self, seq: Sequence) -> None:
+        """Insert what an unfinished sequence has computed, so requests admitted later share it now.
+
+        Where the tree already held some of those tokens (another request computed them first), our
+        duplicate slots are freed and the sequence switches to the tree's copies.
+        """
+        keep = seq.num_computed - seq.num_computed % self.allocator.page_size
+        if self.cache is None or keep <= seq.num_cached:
+            return
+        tokens = seq.token_ids[:keep]
+        already = self.cache.insert(tokens, seq.slots[:keep])
+        self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
+        slots, node = self.cache.match_prefix(tokens)
+        seq.slots = np.concatenate([np.asarray(slots, np.int32), seq.slots[keep:]])
+        self.cache.inc_lock_ref(node)
+        if seq.prefix_node is not None:
+            self.cache.dec_lock_ref(seq.prefix_node)
+        seq.prefix_node, seq.num_cached = node, keep
+
     def after_step(self, batch: Batch) -> None:
-        """Move sequences whose prefill completed into the running set; drop finished ones."""
+        """Cache fresh prefill KV; move sequences whose prefill completed into the running set."""
+        if not batch.is_decode:
+            for seq in batch.seqs:
+                if not seq.finished:
+                    self.cache_computed_prefix(seq)
         for seq in batch.seqs:
             if seq in self.prefilling and (seq.finished or seq.num_computed >= seq.num_tokens - 1):
                 self.prefilling.remove(seq)
