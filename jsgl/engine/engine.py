@@ -103,7 +103,7 @@ class Engine:
         self._flush: list[tuple[threading.Event, list[bool]]] = []
         self._distinct = DistinctPrefixCounter()
         self.forward_passes = 0
-        self.step_time = 0.0
+        self.step_time = {"decode": 0.0, "extend": 0.0}
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
         self._thread.start()
 
@@ -214,7 +214,7 @@ class Engine:
             "retractions": s.retractions, "compiles": self.runner.compiles,
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
             "mean_batch_size": float(np.mean(s.batch_sizes)) if s.batch_sizes else 0.0,
-            "step_time_s": self.step_time,
+            "decode_time_s": self.step_time["decode"], "extend_time_s": self.step_time["extend"],
         }
 
     def idle(self) -> bool:
@@ -310,7 +310,7 @@ class Engine:
         for i, seq in enumerate(batch.seqs):
             self._absorb(seq, batch, i, out)
         self.scheduler.after_step(batch)
-        self.step_time += time.perf_counter() - t0
+        self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
         return batch
 
     def _forward_item(self, seq: Sequence, chunk: int, samples: bool) -> ForwardItem:
