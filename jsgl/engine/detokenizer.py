@@ -36,6 +36,16 @@ class IncrementalDetokenizer:
             return False
         new_text = window[len(before):]
         self._prefix, self._read = max(self._read - 4, 0), len(ids)
+        return self._append(new_text)
+
+    def append_forced(self, text: str, num_tokens: int) -> bool:
+        """Text appended outside sampling (jump-forward); tokens from ``num_tokens`` on decode afresh."""
+        self._prefix = self._read = num_tokens
+        return self._append(text)
+
+    def _append(self, new_text: str) -> bool:
+        if self.matched_stop is not None:
+            return True
         if not new_text:
             return False
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.config import EngineConfig
+from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.kv_pool import SlotAllocator, slots_for_memory
 from jsgl.engine.model_runner import ForwardItem, ModelRunner, enable_compilation_cache
@@ -84,8 +85,11 @@ class Engine:
         num_slots = cfg.num_kv_slots or slots_for_memory(self.model_config, cfg.kv_cache_gb, cfg.page_size)
         num_slots -= num_slots % cfg.page_size
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
-        self.runner = ModelRunner(self.model_config, jax.tree.map(jnp.asarray, np_params), num_slots,
-                                  attention_backend=cfg.attention_backend, max_context=self.max_context)
+        # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
+        self.runner = ModelRunner(self.model_config,
+                                  np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,
+                                  attention_backend=cfg.attention_backend, max_context=self.max_context,
+                                  tp=cfg.tp)
         del np_params
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
@@ -101,6 +105,9 @@ class Engine:
         self._wake = threading.Event()
         self._stopped = False
         self._flush: list[tuple[threading.Event, list[bool]]] = []
+        self._pending: list[Sequence] = []  # waiting for their constraint's index to build
+        self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
+                                             self.config.jump_forward)
         self._distinct = DistinctPrefixCounter()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
@@ -208,7 +215,8 @@ class Engine:
             **tree,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
             "optimal_hit_rate": self._distinct.optimal_hit_rate,
-            "forward_passes": self.forward_passes, "steps": s.steps, "extend_steps": s.extend_steps,
+            "forward_passes": self.forward_passes,
+            "jump_forward_tokens": self.constraints.jumped_tokens, "steps": s.steps, "extend_steps": s.extend_steps,
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
@@ -219,7 +227,7 @@ class Engine:
 
     def idle(self) -> bool:
         with self._lock:
-            return not self._inbox and not self.scheduler.has_work()
+            return not self._inbox and not self._pending and not self.scheduler.has_work()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -248,8 +256,26 @@ class Engine:
         return ids
 
     def _prepare_constraint(self, seq: Sequence) -> None:
-        if seq.params.regex is not None or seq.params.json_schema is not None:
-            raise InvalidRequestError("constrained decoding (regex/json_schema) is not enabled in this engine")
+        future = self.constraints.prepare(seq)
+        if future is not None:
+            future.add_done_callback(lambda _: self._wake.set())
+
+    def _activate_constraints(self) -> None:
+        """Hand requests whose FSM index finished building to the scheduler."""
+        still = []
+        for seq in self._pending:
+            if seq.finished:
+                continue
+            if not seq.constraint_ready.done():
+                still.append(seq)
+                continue
+            try:
+                self.constraints.activate(seq)
+            except InvalidRequestError as exc:
+                self._finish(seq, FinishReason.ABORT, error=str(exc))
+                continue
+            self.scheduler.add(seq)
+        self._pending = still
 
     # --------------------------------------------------------------------------------- step loop
     def _loop(self) -> None:
@@ -260,12 +286,17 @@ class Engine:
                 stopped = self._stopped
             for seq in inbox:
                 self._distinct.add(seq.prompt_ids)
-                self.scheduler.add(seq)
+                if seq.constraint_ready is not None:
+                    self._pending.append(seq)
+                else:
+                    self.scheduler.add(seq)
+            self._activate_constraints()
             self._run_flushes()
             for rid in aborts:
                 self._abort_now(rid)
             if stopped:
-                for seq in [*self.scheduler.waiting, *self.scheduler.prefilling, *self.scheduler.running]:
+                for seq in [*self._pending, *self.scheduler.waiting, *self.scheduler.prefilling,
+                            *self.scheduler.running]:
                     self._finish(seq, FinishReason.ABORT, error="engine shut down")
                 return
             if not self.scheduler.has_work():
@@ -283,7 +314,7 @@ class Engine:
         with self._lock:
             flushes, self._flush = self._flush, []
         for done, result in flushes:
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and not self._pending:
                 if self.prefix_cache is not None:
                     self.prefix_cache.evict(self.prefix_cache.total_size())
                 self._distinct = DistinctPrefixCounter()
@@ -355,9 +386,13 @@ class Engine:
                 k = seq.params.top_logprobs_num
                 vals, ids = out.top_logprobs
                 seq.output_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[i][:k], ids[i][:k])])
-        if seq.constraint is not None:
+        if seq.constraint is not None and token not in seq.stop_ids:
             seq.constraint.advance(token)
         self._check_finish(seq, token)
+        if not seq.finished and seq.constraint is not None:
+            self.constraints.maybe_jump(seq, self.max_context)
+            if seq.detok.matched_stop is not None:
+                seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
         if seq.finished:  # free KV before waking the caller, so "done" implies "released"
             self._retire(seq)
         seq.publish()

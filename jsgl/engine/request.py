@@ -100,6 +100,7 @@ class GenerateOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    jump_forward_tokens: int = 0  # of completion_tokens, appended by jump-forward (no forward pass each)
     # Per output token: logprob of the sampled token and, if asked, the top-k (logprob, token_id) pairs.
     output_logprobs: list[float] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
@@ -119,6 +120,7 @@ class GenerateOutput:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "jump_forward_tokens": self.jump_forward_tokens,
         }
 
 

@@ -170,7 +170,8 @@ class Scheduler:
                 self.release(seq)
                 break
             self.waiting.pop(0)
-            if seq.cached_tokens_reported == 0 and not seq.output_ids:
+            if not seq.admitted:
+                seq.admitted = True
                 seq.cached_tokens_reported = seq.num_cached
                 self.stats.prompt_tokens += seq.num_tokens
                 self.stats.cached_tokens += seq.num_cached
@@ -193,7 +194,10 @@ class Scheduler:
             self.retract(self.running[-1])
         if not self.running:
             return None
-        return Batch(True, list(self.running), [1] * len(self.running))
+        # Usually one token each; a jump-forward leaves several forced tokens to compute, which turns
+        # this step into an extend step over the same running batch.
+        chunks = [s.num_tokens - s.num_computed for s in self.running]
+        return Batch(all(c == 1 for c in chunks), list(self.running), chunks)
 
     def retract(self, seq: Sequence) -> None:
         """Free a running sequence's KV and requeue it; its tokens so far are recomputed later."""

@@ -34,6 +34,8 @@ class Sequence:
     slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed: int = 0
     num_cached: int = 0  # prefix tokens taken from the prefix cache at (latest) admission
+    admitted: bool = False  # counted in the hit-rate statistics (first admission only)
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward rather than sampled
     cached_tokens_reported: int = 0  # cache hits of the first admission, reported to the caller
     prefix_node: Any = None  # prefix-cache handle locked while this sequence runs
     constraint: TokenConstraint | None = None
@@ -81,6 +83,7 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens_reported,
+            jump_forward_tokens=self.jump_forward_tokens,
             error=self.error,
         )
         if p.return_logprob:

@@ -1,0 +1,38 @@
+"""Constrained decoding with a compressed FSM (SGLang §4): regex / JSON schema -> token masks + jump-forward.
+
+Typical engine use:
+    fut = get_index_async(regex, tokenizer)           # background build, cached in memory and on disk
+    constraint = RegexConstraint(fut.result(), eos_ids)
+    mask = constraint.allowed_token_bitmask()         # packed uint32, bit i of word i>>5 = token i
+    constraint.advance(token_id)
+    text = constraint.jump_forward_text(); ...; constraint.advance_text(text)
+"""
+
+from jsgl.fsm.cache import clear_memory_cache, get_index, get_index_async
+from jsgl.fsm.constraint import RegexConstraint
+from jsgl.fsm.json_schema import DTYPE_REGEX, json_schema_to_regex, regex_for_dtype
+from jsgl.fsm.jump_forward import jump_forward_string, jump_forward_table, jump_target
+from jsgl.fsm.regex_fsm import DEAD, CharFSM, compile_regex, validate_regex
+from jsgl.fsm.token_index import TokenIndex, build_token_index
+from jsgl.fsm.vocab import VocabBytes, vocab_bytes
+
+__all__ = [
+    "DEAD",
+    "DTYPE_REGEX",
+    "CharFSM",
+    "RegexConstraint",
+    "TokenIndex",
+    "VocabBytes",
+    "build_token_index",
+    "clear_memory_cache",
+    "compile_regex",
+    "get_index",
+    "get_index_async",
+    "json_schema_to_regex",
+    "jump_forward_string",
+    "jump_forward_table",
+    "jump_target",
+    "regex_for_dtype",
+    "validate_regex",
+    "vocab_bytes",
+]

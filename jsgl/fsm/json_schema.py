@@ -1,0 +1,312 @@
+"""JSON Schema (or a pydantic model) -> regex whose matches are JSON documents valid for the schema.
+
+Layout: with `whitespace=None` (default) the regex matches exactly the layout `json.dumps(obj)`
+produces -- `", "` between items, `": "` after keys, nothing inside brackets. A fixed layout keeps
+small models on track and maximises jump-forward (`{"name": "` is one forced string). A regex string
+instead allows that whitespace at every place JSON allows it (inside brackets, around `:` and `,`);
+`""` gives the compact `separators=(",", ":")` layout.
+
+Objects emit their declared properties in declared order (required ones always, optional ones
+maybe), never extra properties. Recursive `$ref`s, numeric bounds other than integer ranges and
+`minimum: 0` on numbers, `uniqueItems`, `not`/`if`, `patternProperties`, and multi-branch `allOf`
+cannot be expressed and raise InvalidRequestError. `oneOf` is treated as `anyOf`; `format` values
+other than date/time/date-time/uuid are annotations and are ignored, as JSON Schema's default
+format vocabulary does. Schema-less values (`{}`, `true`, objects without properties) allow JSON
+nested ANY_VALUE_DEPTH levels deep: regexes cannot count brackets, and every extra level multiplies
+the FSM size (interegular's construction time dominates index builds for large schemas).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from jsgl.engine.request import InvalidRequestError
+from jsgl.fsm.int_range import int_range_regex
+
+_HEX = "[0-9a-fA-F]"
+# One JSON string character = one decoded character (so minLength/maxLength count right): a raw
+# character, a short escape, a \uXXXX escape of a non-surrogate, or an escaped surrogate pair.
+STRING_CHAR = (
+    r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
+    rf"|\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
+    rf"|\\u[dD][89abAB]{_HEX}{{2}}\\u[dD][c-fC-F]{_HEX}{{2}})"
+)
+STRING = f'"{STRING_CHAR}*"'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+_FRACTION_EXP = r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+NUMBER = INTEGER + _FRACTION_EXP
+BOOLEAN = r"(?:true|false)"
+NULL = "null"
+
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?"
+FORMATS = {
+    "date": f'"{_DATE}"',
+    "time": f'"{_TIME}"',
+    "date-time": f'"{_DATE}T{_TIME}"',
+    "uuid": r'"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"',
+}
+
+# SGLang frontend dtypes (`gen(dtype=int)`): Python literals, not JSON.
+DTYPE_REGEX: dict[type, str] = {
+    int: r"[-+]?[0-9]+",
+    float: r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?",
+    bool: r"(?:True|False)",
+    str: r'"(?:[^"\\\n]|\\[^\n])*"',
+}
+
+
+def regex_for_dtype(dtype: type | str) -> str:
+    by_name = {t.__name__: t for t in DTYPE_REGEX}
+    key = by_name.get(dtype) if isinstance(dtype, str) else dtype
+    if key not in DTYPE_REGEX:
+        raise InvalidRequestError(f"unsupported dtype {dtype!r}; use one of int, float, bool, str")
+    return DTYPE_REGEX[key]  # type: ignore[index]
+
+
+_META = set(".^$*+?{}[]\\|()")
+
+
+def literal(text: str) -> str:
+    """Regex matching exactly `text` (only metacharacters escaped: interegular-friendly)."""
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
+                "writeOnly", "deprecated", "discriminator", "$defs", "definitions", "format"}
+_BY_TYPE = {
+    "string": {"minLength", "maxLength", "pattern"},
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "boolean": set(),
+    "null": set(),
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
+    "object": {"properties", "required", "additionalProperties"},
+}
+_GENERIC = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable"}
+ANY_VALUE_DEPTH = 1  # nesting for schema-less values ({}); each level multiplies FSM build time
+
+
+class _Converter:
+    def __init__(self, root: dict[str, Any], whitespace: str | None) -> None:
+        self.root = root
+        self.ws = whitespace
+        if whitespace is None:
+            self.item_sep, self.key_sep, self.inner = ", ", ": ", ""
+        else:
+            w = f"(?:{whitespace})" if whitespace else ""  # grouped: a `|` in it must not leak
+            self.item_sep, self.key_sep, self.inner = f"{w},{w}", f"{w}:{w}", w
+        self.ref_stack: list[str] = []
+
+    def fail(self, msg: str) -> InvalidRequestError:
+        return InvalidRequestError(f"unsupported JSON schema: {msg}")
+
+    def convert(self, schema: Any) -> str:
+        if schema is True or schema == {}:
+            return self.any_value(ANY_VALUE_DEPTH)
+        if schema is False:
+            raise self.fail("schema `false` matches nothing")
+        if not isinstance(schema, dict):
+            raise self.fail(f"expected an object, got {schema!r}")
+        if "$ref" in schema:
+            return self.ref(schema)
+        if "nullable" in schema and schema["nullable"]:
+            rest = {k: v for k, v in schema.items() if k != "nullable"}
+            return f"(?:{self.convert(rest)}|{NULL})"
+        if "const" in schema:
+            return self.enum([schema["const"]])
+        if "enum" in schema:
+            return self.enum(schema["enum"])
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                return "(?:" + "|".join(self.convert(s) for s in schema[key]) + ")"
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if len(parts) != 1:
+                raise self.fail("allOf with several schemas")
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            return self.convert({**merged, **parts[0]} if set(merged) - _ANNOTATIONS else parts[0])
+        types = schema.get("type")
+        if types is None:
+            types = "object" if "properties" in schema else "array" if "items" in schema else None
+            if types is None:
+                self.check_keys(schema, set())
+                return self.any_value(ANY_VALUE_DEPTH)
+        if isinstance(types, list):
+            return "(?:" + "|".join(self.typed(schema, t) for t in types) + ")"
+        return self.typed(schema, types)
+
+    def check_keys(self, schema: dict[str, Any], allowed: set[str]) -> None:
+        extra = set(schema) - allowed - _ANNOTATIONS - _GENERIC
+        if extra:
+            raise self.fail(f"keywords {sorted(extra)} are not supported here")
+
+    def ref(self, schema: dict[str, Any]) -> str:
+        ref = schema["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise self.fail(f"only local $ref are supported, got {ref!r}")
+        if ref in self.ref_stack:
+            raise self.fail(f"recursive $ref {ref!r}")
+        node: Any = self.root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise self.fail(f"unresolvable $ref {ref!r}")
+            node = node[part]
+        self.ref_stack.append(ref)
+        try:
+            siblings = {k: v for k, v in schema.items() if k != "$ref" and k not in _ANNOTATIONS}
+            return self.convert({**node, **siblings} if siblings else node)
+        finally:
+            self.ref_stack.pop()
+
+    def enum(self, values: list[Any]) -> str:
+        if not values:
+            raise self.fail("empty enum")
+        alts: list[str] = []
+        for v in values:
+            for ascii_only in (True, False):  # accept both "é" and "\u00e9" spellings
+                text = json.dumps(v, ensure_ascii=ascii_only, separators=(self.item_sep_text, self.key_sep_text))
+                if literal(text) not in alts:
+                    alts.append(literal(text))
+        return "(?:" + "|".join(alts) + ")"
+
+    @property
+    def item_sep_text(self) -> str:
+        return ", " if self.ws is None else ","
+
+    @property
+    def key_sep_text(self) -> str:
+        return ": " if self.ws is None else ":"
+
+    def typed(self, schema: dict[str, Any], t: str) -> str:
+        if t not in _BY_TYPE:
+            raise self.fail(f"unknown type {t!r}")
+        self.check_keys(schema, set().union(*(_BY_TYPE[x] for x in _as_list(schema.get("type", t)))))
+        if t == "string":
+            return self.string(schema)
+        if t in ("integer", "number"):
+            return self.number(schema, integer=t == "integer")
+        if t == "boolean":
+            return BOOLEAN
+        if t == "null":
+            return NULL
+        if t == "array":
+            return self.array(schema)
+        return self.object(schema)
+
+    def string(self, schema: dict[str, Any]) -> str:
+        if "pattern" in schema:
+            pattern = schema["pattern"]
+            pattern = pattern[1:] if pattern.startswith("^") else pattern
+            pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+            return f'"(?:{pattern})"'
+        fmt = schema.get("format")
+        if fmt in FORMATS:
+            return FORMATS[fmt]
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        if lo == 0 and hi is None:
+            return STRING
+        return f'"{STRING_CHAR}{{{int(lo)},{"" if hi is None else int(hi)}}}"'
+
+    def number(self, schema: dict[str, Any], integer: bool) -> str:
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        if not integer:
+            if hi is None and xhi is None and xlo is None and lo in (None, 0):
+                return NUMBER if lo is None else r"(?:0|[1-9][0-9]*)" + _FRACTION_EXP
+            raise self.fail("bounds on numbers (other than minimum: 0)")
+        bounds_lo = [math.ceil(lo)] if lo is not None else []
+        bounds_lo += [math.floor(xlo) + 1] if xlo is not None else []
+        bounds_hi = [math.floor(hi)] if hi is not None else []
+        bounds_hi += [math.ceil(xhi) - 1] if xhi is not None else []
+        a = max(bounds_lo) if bounds_lo else None
+        b = min(bounds_hi) if bounds_hi else None
+        if a is None and b is None:
+            return INTEGER
+        if a is not None and b is not None and a > b:
+            raise self.fail(f"empty integer range [{a}, {b}]")
+        return int_range_regex(a, b)
+
+    def array(self, schema: dict[str, Any]) -> str:
+        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
+        hi = None if hi is None else int(hi)
+        sep, open_, close = self.item_sep, r"\[" + self.inner, self.inner + r"\]"
+        prefix = [self.convert(s) for s in schema.get("prefixItems", [])]
+        items = schema.get("items", True if not prefix else False)
+        if prefix:
+            body = sep.join(prefix)
+            if items is not False:
+                more = None if hi is None else hi - len(prefix)
+                body += f"(?:{sep}{self.convert(items)}){{0,{'' if more is None else more}}}"
+            return open_ + body + close
+        if hi == 0:
+            return open_ + close
+        item = self.convert(items)
+        rest = f"(?:{sep}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
+        body = f"{item}{rest}"
+        return open_ + (body if lo >= 1 else f"(?:{body})?") + close
+
+    def object(self, schema: dict[str, Any]) -> str:
+        open_, close, sep = r"\{" + self.inner, self.inner + r"\}", self.item_sep
+        props: dict[str, Any] = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        missing = required - set(props)
+        if missing:
+            raise self.fail(f"required properties without a schema: {sorted(missing)}")
+        if not props:
+            extra = schema.get("additionalProperties", True)
+            if extra is False:
+                return open_ + close
+            value = self.any_value(ANY_VALUE_DEPTH - 1) if extra is True else self.convert(extra)
+            pair = STRING + self.key_sep + value
+            return open_ + f"(?:{pair}(?:{sep}{pair})*)?" + close
+        pairs = [(literal(json.dumps(k)) + self.key_sep + self.convert(v), k in required)
+                 for k, v in props.items()]
+        # The first present property carries no separator; every later one is `sep pair`. So
+        # branch on which property comes first: only optional properties may be skipped before it.
+        branches: list[str] = []
+        for first, (pair, req) in enumerate(pairs):
+            tail = "".join(f"{sep}{p}" if r else f"(?:{sep}{p})?" for p, r in pairs[first + 1 :])
+            branches.append(pair + tail)
+            if req:
+                break
+        else:
+            branches.append("")  # every property optional: the empty object
+        return open_ + "(?:" + "|".join(branches) + ")" + close
+
+    def any_value(self, depth: int) -> str:
+        scalars = [STRING, NUMBER, BOOLEAN, NULL]
+        if depth <= 0:
+            return "(?:" + "|".join(scalars) + ")"
+        inner = self.any_value(depth - 1)
+        sep = self.item_sep
+        arr = r"\[" + self.inner + f"(?:{inner}(?:{sep}{inner})*)?" + self.inner + r"\]"
+        pair = STRING + self.key_sep + inner
+        obj = r"\{" + self.inner + f"(?:{pair}(?:{sep}{pair})*)?" + self.inner + r"\}"
+        return "(?:" + "|".join([*scalars, arr, obj]) + ")"
+
+
+def _as_list(t: Any) -> list[str]:
+    return t if isinstance(t, list) else [t]
+
+
+def json_schema_to_regex(schema: dict[str, Any] | str | type | bool, whitespace: str | None = None) -> str:
+    """Regex (full-match) for JSON documents valid under `schema`: a dict, a JSON string, or a
+    pydantic BaseModel subclass. See the module docstring for `whitespace`."""
+    if isinstance(schema, type):
+        try:
+            schema = schema.model_json_schema()  # type: ignore[attr-defined]
+        except AttributeError:
+            raise InvalidRequestError(f"{schema!r} is not a pydantic model") from None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequestError(f"json_schema must be an object, got {type(schema).__name__}")
+    root = schema if isinstance(schema, dict) else {}
+    return _Converter(root, whitespace).convert(schema)
