@@ -40,6 +40,7 @@ class ConstraintManager:
         self.jump_forward = jump_forward
         self.jumped_tokens = 0  # tokens appended by jump-forward, engine-wide
         self.jumps = 0
+        self.mask_time_s = 0.0  # host time spent fetching per-request bitmasks
 
     def prepare(self, seq: Sequence) -> Future | None:
         """Validate and start building the request's index (caller thread). Raises InvalidRequestError."""
