@@ -53,6 +53,7 @@ def index_for(pattern: str) -> TokenIndex:
     return build_token_index(compile_regex(pattern), vocab_bytes(tok()))
 
 
+@cache
 def nested_json_regex() -> str:
     from pydantic import BaseModel, Field
 
@@ -84,6 +85,14 @@ class Oracle:
             for s in rev[queue.popleft()]:
                 if s not in self.live:
                     self.live.add(s)
+                    queue.append(s)
+        self.dist = {s: 0 for s in fsm.finals}  # characters to the nearest final (BFS backwards)
+        queue = deque(fsm.finals)
+        while queue:
+            t = queue.popleft()
+            for s in rev[t]:
+                if s not in self.dist:
+                    self.dist[s] = self.dist[t] + 1
                     queue.append(s)
         self.chars = {k: [c for c in v if c is not anything_else] for k, v in fsm.alphabet.by_transition.items()}
         self.else_keys = {k for k, v in fsm.alphabet.by_transition.items() if anything_else in v}
@@ -141,15 +150,7 @@ def oracle_for(pattern: str) -> Oracle:
 
 def random_match(oracle: Oracle, rnd: random.Random, budget: int) -> str:
     """Random walk over the oracle FSM; after `budget` characters, head for the nearest final."""
-    fsm = oracle.fsm
-    dist = {s: 0 for s in fsm.finals}
-    changed = True
-    while changed:
-        changed = False
-        for s, trans in fsm.map.items():
-            best = min((dist[t] + 1 for t in trans.values() if t in dist), default=None)
-            if best is not None and best < dist.get(s, 1 << 30):
-                dist[s], changed = best, True
+    fsm, dist = oracle.fsm, oracle.dist
     out: list[str] = []
     s = fsm.initial
     while True:
@@ -175,7 +176,7 @@ EOS = 2
 
 @pytest.mark.parametrize("name", PATTERNS, ids=["ip", "date", "person", "literals", "chinese", "cjk_range",
                                                 "free_text", "nested"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_tokenized_matches_walk_and_masks_are_exact(name: str, data) -> None:
     pattern = nested_json_regex() if name == "NESTED" else name

@@ -86,6 +86,7 @@ _BY_TYPE = {
     "object": {"properties", "required", "additionalProperties"},
 }
 _GENERIC = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "nullable"}
+_KNOWN = _GENERIC | _ANNOTATIONS | set().union(*_BY_TYPE.values())
 ANY_VALUE_DEPTH = 1  # nesting for schema-less values ({}); each level multiplies FSM build time
 
 
@@ -110,6 +111,9 @@ class _Converter:
             raise self.fail("schema `false` matches nothing")
         if not isinstance(schema, dict):
             raise self.fail(f"expected an object, got {schema!r}")
+        unknown = set(schema) - _KNOWN
+        if unknown:
+            raise self.fail(f"keywords {sorted(unknown)} are not supported")
         if "$ref" in schema:
             return self.ref(schema)
         if "nullable" in schema and schema["nullable"]:
@@ -167,19 +171,21 @@ class _Converter:
             raise self.fail("empty enum")
         alts: list[str] = []
         for v in values:
-            for ascii_only in (True, False):  # accept both "é" and "\u00e9" spellings
-                text = json.dumps(v, ensure_ascii=ascii_only, separators=(self.item_sep_text, self.key_sep_text))
-                if literal(text) not in alts:
-                    alts.append(literal(text))
+            rx = self.const(v)
+            if rx not in alts:
+                alts.append(rx)
         return "(?:" + "|".join(alts) + ")"
 
-    @property
-    def item_sep_text(self) -> str:
-        return ", " if self.ws is None else ","
-
-    @property
-    def key_sep_text(self) -> str:
-        return ": " if self.ws is None else ":"
+    def const(self, value: Any) -> str:
+        """Regex for one JSON value in this layout (containers get the layout's whitespace)."""
+        if isinstance(value, dict):
+            body = self.item_sep.join(self.const(str(k)) + self.key_sep + self.const(v) for k, v in value.items())
+            return r"\{" + (self.inner + body + self.inner if body else self.inner) + r"\}"
+        if isinstance(value, list):
+            body = self.item_sep.join(self.const(v) for v in value)
+            return r"\[" + (self.inner + body + self.inner if body else self.inner) + r"\]"
+        spellings = {literal(json.dumps(value, ensure_ascii=a)) for a in (True, False)}  # "é" or "\u00e9"
+        return spellings.pop() if len(spellings) == 1 else "(?:" + "|".join(sorted(spellings)) + ")"
 
     def typed(self, schema: dict[str, Any], t: str) -> str:
         if t not in _BY_TYPE:

@@ -221,13 +221,17 @@ def compile_regex(pattern: str) -> CharFSM:
             table[i, kid[k]] = order[t]
 
     # Trim: keep only states that can still reach an accepting state.
+    src, cls = np.nonzero(table >= 0)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for a, b in zip(src.tolist(), table[src, cls].tolist(), strict=True):
+        preds[b].append(a)
     live = accepting.copy()
-    changed = True
-    while changed:
-        reach = live[np.maximum(table, 0)] & (table >= 0)
-        new_live = live | reach.any(axis=1)
-        changed = bool((new_live != live).any())
-        live = new_live
+    queue = deque(np.flatnonzero(live).tolist())
+    while queue:
+        for a in preds[queue.popleft()]:
+            if not live[a]:
+                live[a] = True
+                queue.append(a)
     if not live[0]:
         raise InvalidRequestError(f"regex {pattern!r} matches no string")
     table = np.where((table >= 0) & live[np.maximum(table, 0)], table, DEAD)
