@@ -38,10 +38,13 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers >= 5 writes `rope_parameters` (theta + scaling) where older configs had
+        # `rope_theta` and `rope_scaling`.
+        rope_params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
         scaling = cfg.get("rope_scaling") or None
-        theta = cfg.get("rope_theta")
-        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-            theta = cfg["rope_parameters"].get("rope_theta")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta"))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

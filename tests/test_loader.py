@@ -1,0 +1,80 @@
+"""Loading HF folders (config.json + safetensors): Llama/Mistral/Qwen2 against transformers' own forward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jsgl.engine.kv_pool import allocate_pool
+from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.model.llama import forward_hidden, lm_logits
+from jsgl.model.loader import load_model
+
+
+def logits_of(model_dir, ids: list[int]) -> np.ndarray:
+    cfg, params = load_model(model_dir)
+    params = jax.tree.map(jnp.asarray, params)
+    n = len(ids)
+    slots = jnp.arange(1, n + 1, dtype=jnp.int32)
+    meta = AttentionMetadata(jnp.arange(n, dtype=jnp.int32), jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32),
+                             slots[None], jnp.full(1, n, jnp.int32), max_q_len=n)
+    hidden, _ = forward_hidden(params, allocate_pool(cfg, n + 1), jnp.asarray(ids), slots, meta, cfg,
+                               native_paged_attention)
+    return np.asarray(lm_logits(params, hidden))
+
+
+def tiny(config_cls, **extra):
+    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0)
+    return config_cls(**{**base, **extra})
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2", "llama-untied"])
+def test_hf_folder_matches_transformers(tmp_path, arch):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        config = tiny(tf.Qwen2Config, tie_word_embeddings=True)
+        model = tf.Qwen2ForCausalLM(config)
+    elif arch == "mistral":
+        config = tiny(tf.MistralConfig, sliding_window=None)
+        model = tf.MistralForCausalLM(config)
+    else:
+        extra = {"tie_word_embeddings": arch != "llama-untied"}
+        if arch == "llama3-rope":
+            extra["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        config = tiny(tf.LlamaConfig, **extra)
+        model = tf.LlamaForCausalLM(config)
+    # Random biases too (Qwen2 has q/k/v bias), so a dropped bias would show.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.eval().save_pretrained(tmp_path, safe_serialization=True)
+    ids = list(np.random.default_rng(0).integers(0, 300, size=150))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    ours = logits_of(tmp_path, ids)
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max() + 1e-5)
+
+
+def test_converted_weights_are_cached(tmp_path, monkeypatch):
+    from jsgl.model.registry import model_cache_dir, resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    cfg, params = load_model("smollm2-135m")  # the session already converted it once
+    assert (model_cache_dir(path) / "params.safetensors").exists()
+    assert cfg.num_layers == 30 and cfg.num_heads == 9 and cfg.num_kv_heads == 3 and cfg.vocab_size == 49152
+    assert params["layers"]["wq"].shape == (30, 576, 576) and "lm_head" not in params  # tied
+
+
+def test_unknown_model_names():
+    from jsgl.model.registry import resolve_model_path
+
+    with pytest.raises(FileNotFoundError, match="unknown model"):
+        resolve_model_path("no-such-model-alias")
