@@ -54,6 +54,21 @@ def test_request_joining_mid_decode(engine):
     assert_no_leak(engine)
 
 
+def test_long_prompt_chunks_interleave_with_decoding(engine):
+    """Chunked prefill of a long prompt does not stall a request that is already decoding."""
+    decoding = engine.submit(PROMPTS[0], {"temperature": 0, "max_new_tokens": 120, "ignore_eos": True})
+    stream = decoding.stream()
+    while len(next(stream).token_ids) < 2:
+        pass
+    long_prompt = " ".join(PROMPTS * 20)  # ~1500 tokens: 6 chunks of the fixture's 256
+    long = engine.submit(long_prompt, {"temperature": 0, "max_new_tokens": 1})
+    before_steps = engine.stats()["decode_steps"]
+    long.result(timeout=120)
+    assert engine.stats()["decode_steps"] - before_steps >= 4
+    decoding.result(timeout=120)
+    assert_no_leak(engine)
+
+
 def test_max_new_tokens_exact(engine):
     for n in (1, 7):
         out = engine.generate(PROMPTS[2], {"temperature": 0, "max_new_tokens": n, "ignore_eos": True})

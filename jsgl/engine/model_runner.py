@@ -22,6 +22,7 @@ from jsgl.kernels.attention import AttentionMetadata, get_attention_backend
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits
 from jsgl.model.registry import cache_dir
+from jsgl.model.sharding import TensorParallel
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -65,9 +66,14 @@ def enable_compilation_cache() -> None:
 
 
 def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sampling,
-          *, config: ModelConfig, attention_backend: str, prompt_top_k: int):
+          *, config: ModelConfig, attention_backend: str, prompt_top_k: int,
+          tp: TensorParallel | None = None):
     attention = get_attention_backend(attention_backend)
+    if tp is not None:  # attention per shard on local heads; XLA partitions the rest from the shardings
+        attention = tp.shard_attention(attention)
     hidden, kv = forward_hidden(params, kv, token_ids, write_slots, meta, config, attention)
+    if tp is not None:  # the updated pool keeps the donated pool's sharding, so it can alias it in place
+        kv = jax.lax.with_sharding_constraint(kv, tp.kv_sharding)
     tokens, logprobs, top_vals, top_ids = sample(lm_logits(params, hidden[sample_index]), sampling)
     out = {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
     if prompt_top_k >= 0:
@@ -81,17 +87,24 @@ def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sa
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
                  attention_backend: str = "auto", max_context: int | None = None,
-                 kv_sharding: Any | None = None):
+                 kv_sharding: Any | None = None, tp: int = 1):
         self.config = config
         self.attention_backend = attention_backend
         self.max_context = max_context or config.max_position_embeddings
         self.num_slots = num_slots
-        self.kv = allocate_pool(config, num_slots, kv_sharding)
+        # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed
+        # with NamedShardings; the forward runs with the padded config (see jsgl.model.sharding).
+        self.tp = TensorParallel.create(config, tp) if tp > 1 else None
+        self.forward_config = self.tp.config if self.tp else config
+        if self.tp:
+            params, kv_sharding = self.tp.shard_params(params, config), self.tp.kv_sharding
+        self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding)
         self.params = params
         self.compiles = 0
         self._signatures: set[tuple] = set()
         self._step = jax.jit(
-            functools.partial(_step, config=config, attention_backend=attention_backend),
+            functools.partial(_step, config=self.forward_config, attention_backend=attention_backend,
+                              tp=self.tp),
             static_argnames=("prompt_top_k",), donate_argnums=(1,),
         )
 

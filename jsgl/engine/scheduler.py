@@ -59,6 +59,7 @@ class Scheduler:
         self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
         self.running: list[Sequence] = []  # decoding
         self.stats = SchedulerStats()
+        self._last_was_extend = False
 
     # ------------------------------------------------------------------------------------ state
     def add(self, seq: Sequence) -> None:
@@ -115,9 +116,14 @@ class Scheduler:
     # ---------------------------------------------------------------------------------- batching
     def schedule(self) -> Batch | None:
         self.running = [s for s in self.running if not s.finished]
-        batch = self._schedule_extend()
+        # Extend steps go first, but never twice in a row while sequences are decoding: a long prompt's
+        # chunks then interleave with decode steps instead of stalling them.
+        batch = None if (self._last_was_extend and self.running) else self._schedule_extend()
         if batch is None and self.running:
             batch = self._schedule_decode()
+        if batch is None:
+            batch = self._schedule_extend()
+        self._last_was_extend = batch is not None and not batch.is_decode
         if batch is not None:
             self.stats.steps += 1
             self.stats.batch_sizes.append(len(batch.seqs))
