@@ -1,0 +1,395 @@
+"""The stream executor: runs the IR nodes of one program state, in order, on its own thread.
+
+Appending to a state only enqueues a node, so `s += gen(...)` returns at once and the Python program goes
+on; reading a variable waits for the node that defines it. Forked states get executors of their own, so
+their requests reach the engine at the same time and are batched there.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+import uuid
+import warnings
+from typing import Any
+
+from jsgl.lang.global_config import global_config
+from jsgl.lang.ir import (
+    Argument,
+    CommitLazy,
+    ConcatenateAndAppend,
+    ConstantText,
+    Expr,
+    ExprList,
+    Gen,
+    GenParams,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Variable,
+    VarScopeBegin,
+    VarScopeEnd,
+    Video,
+)
+
+
+class ProgramError(RuntimeError):
+    """Raised when reading a variable that was never produced because the program failed earlier."""
+
+
+class ExecutableNode(Expr):
+    """A node that knows how to run itself (used by the compiler's graph executor)."""
+
+    def execute(self, exe: StreamExecutor) -> None:
+        raise NotImplementedError
+
+    def skip(self, exe: StreamExecutor) -> None:
+        """Called instead of execute() once the stream has failed; must release anyone waiting on it."""
+
+
+class StreamExecutor:
+    """Executes the nodes of one state. Attributes ending in `_` are read by backends."""
+
+    def __init__(
+        self,
+        backend: Any,
+        arguments: dict[str, Any],
+        default_sampling_para: GenParams,
+        chat_template: Any = None,
+        stream: bool = False,
+        use_thread: bool | None = None,
+    ) -> None:
+        self.sid = uuid.uuid4().hex
+        self.backend = backend
+        self.arguments = arguments
+        self.default_sampling_para = default_sampling_para
+        self.stream = stream
+        self.chat_template = chat_template or backend.get_chat_template()
+
+        self.text_ = ""
+        self.messages_: list[dict[str, Any]] = []
+        self.variables: dict[Any, Any] = {}
+        self.variable_event: dict[Any, threading.Event] = {}
+        self.meta_info: dict[Any, Any] = {}
+        self._done_vars: set[Any] = set()  # variables that hold a final value (not a failed/partial one)
+        self._scope_start: dict[str, int] = {}
+        self.inherited_vars: set[Any] = set()  # copied from the parent at fork time (not gathered at join)
+        self.cur_role: str | None = None
+        self.cur_role_begin_pos = 0
+        self.cur_role_suffix = ""
+        self.fork_start_text_pos: int | None = None
+        self.num_api_spec_tokens: int | None = None  # @function(num_api_spec_tokens=...), for API backends
+        self.error_: BaseException | None = None
+        self.is_finished = False
+
+        # Streaming readers wait on this; every change of text or variables notifies it.
+        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # orders submit() against end(), so nothing lands after the sentinel
+        self._ended = False
+        self.use_thread = global_config.enable_parallelism if use_thread is None else use_thread
+        if self.use_thread:
+            self.queue: queue.Queue[Expr | None] = queue.Queue()
+            self.worker = threading.Thread(target=self._worker, name=f"jsgl-stream-{self.sid[:8]}", daemon=True)
+            self.worker.start()
+        backend.begin_program(self)
+
+    # Submission and waiting ------------------------------------------------------------------------------
+
+    def submit(self, expr: Expr | str) -> None:
+        if isinstance(expr, str):
+            expr = ConstantText(expr)
+        if not isinstance(expr, Expr):
+            raise TypeError(f"cannot append {type(expr).__name__} to a program state")
+        self._init_var_event(expr)
+        with self._lock:
+            if self.use_thread and not self._ended:
+                self.queue.put(expr)
+                return
+        # Inline mode, or a state used again after its program ended (once its thread has drained).
+        self.sync()
+        self._run_node(expr)
+
+    def sync(self) -> None:
+        if self.use_thread:
+            self.queue.join()
+
+    def end(self) -> None:
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            if self.use_thread:
+                self.queue.put(None)
+        if not self.use_thread:
+            self._finish()
+        self.backend.end_program(self)
+
+    def _worker(self) -> None:
+        while True:
+            expr = self.queue.get()
+            try:
+                if expr is None:
+                    return
+                self._run_node(expr)
+            finally:
+                self.queue.task_done()
+                if expr is None:
+                    self._finish()
+
+    def _finish(self) -> None:
+        self.is_finished = True
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run_node(self, expr: Expr) -> None:
+        if self.error_ is None:
+            try:
+                self._execute(expr)
+            except Exception as exc:  # a failed node fails this state only
+                self.record_error(exc)
+        if self.error_ is not None:
+            self._skip(expr)
+        self._notify()
+
+    def record_error(self, exc: BaseException) -> None:
+        if self.error_ is None:
+            self.error_ = exc
+            if global_config.verbosity >= 1:
+                warnings.warn(
+                    "error in a jsgl program state: "
+                    + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                    stacklevel=2,
+                )
+        for event in list(self.variable_event.values()):
+            event.set()  # readers wake up and see the error instead of hanging
+        self._notify()
+
+    def _skip(self, expr: Expr) -> None:
+        if isinstance(expr, ExprList):
+            for e in expr.expr_list:
+                self._skip(e)
+        elif isinstance(expr, ExecutableNode):
+            expr.skip(self)
+        elif isinstance(expr, (Gen, Select, VarScopeBegin, VarScopeEnd)) and expr.name in self.variable_event:
+            self.variable_event[expr.name].set()
+
+    def _init_var_event(self, expr: Expr) -> None:
+        if isinstance(expr, ExprList):
+            for e in expr.expr_list:
+                self._init_var_event(e)
+        elif isinstance(expr, (Gen, Select, VarScopeBegin)) and expr.name is not None:
+            # A fresh event per definition, so a re-generated name is waited for again.
+            self.variable_event[expr.name] = threading.Event()
+            self._done_vars.discard(expr.name)
+            if self.error_ is not None:
+                self.variable_event[expr.name].set()
+
+    # Reading -------------------------------------------------------------------------------------------
+
+    def get_var(self, name: Any) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None:
+            event.wait()
+        if name in self._done_vars or (name in self.variables and self.error_ is None):
+            return self.variables[name]
+        if self.error_ is not None:
+            raise ProgramError(f"variable {name!r} is unavailable: the program failed: {self.error_!r}") \
+                from self.error_
+        raise KeyError(name)
+
+    def set_var(self, name: Any, value: Any) -> None:
+        self.variables[name] = value
+        self._done_vars.add(name)
+
+    def get_meta_info(self, name: Any, timeout: float | None = None) -> Any:
+        event = self.variable_event.get(name)
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"timed out waiting for {name!r}")
+        return self.meta_info.get(name)
+
+    def text(self) -> str:
+        self.sync()
+        return self.text_
+
+    def messages(self) -> list[dict[str, Any]]:
+        self.sync()
+        return self.messages_
+
+    def error(self) -> BaseException | None:
+        self.sync()
+        return self.error_
+
+    # Fork ----------------------------------------------------------------------------------------------
+
+    def fork(self, size: int = 1) -> list[StreamExecutor]:
+        self.sync()  # the branches start from the text as it is after every node submitted so far
+        size = int(size)
+        if size < 1:
+            raise ValueError("fork size must be >= 1")
+        if size > 1 and self.text_ and self.error_ is None and global_config.enable_prefix_hint:
+            self._prefix_hint()
+        children = [
+            StreamExecutor(self.backend, self.arguments, self.default_sampling_para, self.chat_template,
+                           self.stream, self.use_thread)
+            for _ in range(size)
+        ]
+        for child in children:
+            child.copy_state_from(self.snapshot())
+            child.num_api_spec_tokens = self.num_api_spec_tokens
+        return children
+
+    def _prefix_hint(self) -> None:
+        try:
+            self.backend.commit_lazy_operations(self)
+        except Exception as exc:  # a hint is an optimisation; the branches would compute the prefix anyway
+            warnings.warn(f"prefix hint failed: {exc!r}", stacklevel=3)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "text": self.text_, "messages": list(self.messages_), "variables": dict(self.variables),
+            "done": set(self._done_vars), "meta": dict(self.meta_info), "role": self.cur_role,
+            "role_pos": self.cur_role_begin_pos, "role_suffix": self.cur_role_suffix, "error": self.error_,
+        }
+
+    def copy_state_from(self, snap: dict[str, Any]) -> None:
+        self.text_ = snap["text"]
+        self.messages_ = list(snap["messages"])
+        self.variables = dict(snap["variables"])
+        self._done_vars = set(snap["done"])
+        self.meta_info = dict(snap["meta"])
+        self.inherited_vars = set(self.variables)
+        self.cur_role, self.cur_role_begin_pos, self.cur_role_suffix = (
+            snap["role"], snap["role_pos"], snap["role_suffix"])
+        self.fork_start_text_pos = len(self.text_)
+        if snap["error"] is not None:
+            self.record_error(snap["error"])
+
+    def gather_from(self, children: list[StreamExecutor], wait: bool = True) -> None:
+        """Join mode gather_variable: each variable the branches made becomes a list here, in order.
+        `wait=False`: the caller has already waited for the branches to reach the join."""
+        existing = set(self.variables)
+        for child in children:
+            if wait:
+                child.sync()
+            if child.error_ is not None:
+                raise ProgramError(f"a forked branch failed: {child.error_!r}") from child.error_
+            for name in child.variables:
+                if name in child.inherited_vars or name in existing or name is None:
+                    continue
+                self.variables.setdefault(name, []).append(child.variables[name])
+                self._done_vars.add(name)
+                self.meta_info.setdefault(name, []).append(child.meta_info.get(name))
+                self.variable_event.setdefault(name, threading.Event()).set()
+
+    # Execution -----------------------------------------------------------------------------------------
+
+    def _execute(self, expr: Expr) -> None:
+        if isinstance(expr, ConstantText):
+            self._fill(expr.value)
+        elif isinstance(expr, ExprList):
+            for e in expr.expr_list:
+                self._execute(e)
+        elif isinstance(expr, Gen):
+            self._execute_gen(expr)
+        elif isinstance(expr, Select):
+            self._execute_select(expr)
+        elif isinstance(expr, RoleBegin):
+            self._role_begin(expr.role)
+        elif isinstance(expr, RoleEnd):
+            self._role_end(expr.role)
+        elif isinstance(expr, Variable):
+            self._fill(str(expr.source.get_var(expr.name)))
+        elif isinstance(expr, Argument):
+            self._fill(str(self.arguments.get(expr.name, expr.value)))
+        elif isinstance(expr, VarScopeBegin):
+            self._scope_start[expr.name] = len(self.text_)
+        elif isinstance(expr, VarScopeEnd):
+            self._set_final(expr.name, self.text_[self._scope_start.pop(expr.name):], None)
+        elif isinstance(expr, CommitLazy):
+            if global_config.enable_prefix_hint:
+                self._prefix_hint()
+        elif isinstance(expr, ConcatenateAndAppend):
+            self._concatenate_and_append(expr)
+        elif isinstance(expr, ExecutableNode):
+            expr.execute(self)
+        elif isinstance(expr, (Image, Video)):
+            raise NotImplementedError("jsgl serves text-only models: image/video inputs are not supported")
+        else:
+            raise TypeError(f"unknown node {expr!r}")
+
+    def _fill(self, value: str) -> None:
+        self.text_ += value
+
+    def _set_final(self, name: Any, value: Any, meta: Any) -> None:
+        if name is None:
+            return
+        self.variables[name] = value
+        self.meta_info[name] = meta
+        self._done_vars.add(name)
+        self.variable_event.setdefault(name, threading.Event()).set()
+
+    def _execute_gen(self, expr: Gen) -> None:
+        params = expr.sampling_params.merged_over(self.default_sampling_para)
+        name = expr.name
+        if not self.stream:
+            comp, meta = self.backend.generate(self, params)
+            self.text_ += comp
+            self._set_final(name, comp, meta)
+            return
+        value, meta = "", None
+        for delta, meta in self.backend.generate_stream(self, params):
+            self.text_ += delta
+            value += delta
+            if name is not None:
+                self.variables[name] = value
+                self.meta_info[name] = meta
+            self._notify()
+        self._set_final(name, value, meta)
+
+    def _execute_select(self, expr: Select) -> None:
+        decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
+        self.text_ += decision.decision
+        self._set_final(expr.name, decision.decision, decision.meta_info)
+
+    def _role_begin(self, role: str) -> None:
+        if self.cur_role is not None:
+            raise ValueError(f"role {role!r} begins inside role {self.cur_role!r}; roles cannot nest")
+        default_system = self.chat_template.default_system_prompt
+        if not self.messages_ and role != "system" and default_system:
+            # The template would insert this itself; doing it here keeps text_ and messages_ in step.
+            self._role_begin("system")
+            self._fill(default_system)
+            self._role_end("system")
+        prefix, suffix = self.chat_template.get_prefix_and_suffix(role, self.messages_)
+        self._fill(prefix)
+        self.cur_role, self.cur_role_begin_pos, self.cur_role_suffix = role, len(self.text_), suffix
+
+    def _role_end(self, role: str) -> None:
+        if self.cur_role != role:
+            raise ValueError(f"role {role!r} ends but the open role is {self.cur_role!r}")
+        content = self.text_[self.cur_role_begin_pos:].lstrip()
+        self._fill(self.cur_role_suffix)
+        self.messages_.append({"role": role, "content": content})
+        self.cur_role = None
+
+    def _concatenate_and_append(self, expr: ConcatenateAndAppend) -> None:
+        self.append_branches(expr.states)
+
+    def append_branches(self, children: list[StreamExecutor], wait: bool = True) -> None:
+        """Join mode concate_and_append: the text each branch added after the fork, in branch order."""
+        pieces = []
+        for child in children:
+            if wait:
+                child.sync()
+            if child.error_ is not None:
+                raise ProgramError(f"a forked branch failed: {child.error_!r}") from child.error_
+            if child.fork_start_text_pos is None or not child.text_.startswith(self.text_[: child.fork_start_text_pos]):
+                raise ValueError("concate_and_append: the branches must be forked from this state, unchanged since")
+            pieces.append(child.text_[child.fork_start_text_pos:])
+        # Text-level concatenation; a radix-cached backend reuses the parent's prefix and the first branch.
+        self._fill("".join(pieces))

@@ -1,0 +1,223 @@
+"""The in-process backend: programs talk to a jsgl Engine in the same Python process.
+
+`Runtime(model=...)` loads the engine; `Runtime.endpoint` is the backend (as in SGLang, either may be passed
+as `backend=` or to `set_default_backend`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from jsgl.lang.backend import BaseBackend
+from jsgl.lang.chat_template import get_chat_template_from_tokenizer
+from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, mean_logprob
+from jsgl.lang.global_config import global_config
+from jsgl.lang.ir import GenParams
+
+if TYPE_CHECKING:
+    from jsgl.lang.interpreter import StreamExecutor
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class EngineBackend(BaseBackend):
+    """A BaseBackend over an `jsgl.engine.engine.Engine` (anything with its submit/tokenizer API)."""
+
+    def __init__(self, engine: Any, model_name: str = "") -> None:
+        super().__init__()
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.chat_template = get_chat_template_from_tokenizer(self.tokenizer)
+
+    def get_model_name(self) -> str:
+        return self.model_name
+
+    # Requests ------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        # Exactly how the engine tokenizes a text prompt, so id prompts and text prompts share cache entries.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _result(self, prompt: str | list[int], params: dict[str, Any]) -> Any:
+        return self._check(self.engine.submit(prompt, params).result())
+
+    @staticmethod
+    def _check(out: Any) -> Any:
+        if out.error:
+            raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
+        return out
+
+    def _token_text(self, token_id: int, with_text: bool) -> str | None:
+        return self.tokenizer.decode([token_id]) if with_text else None
+
+    def _meta(self, out: Any, params: GenParams) -> dict[str, Any]:
+        meta = dict(out.meta_info)
+        if params.return_logprob:
+            with_text = bool(params.return_text_in_logprobs)
+            meta["output_token_logprobs"] = [
+                (lp, t, self._token_text(t, with_text)) for lp, t in zip(out.output_logprobs or [], out.token_ids)
+            ]
+            if out.input_logprobs is not None:
+                meta["input_token_logprobs"] = [
+                    (lp, t, self._token_text(t, with_text))
+                    for lp, t in zip(out.input_logprobs, out.input_token_ids or [])
+                ]
+            if out.output_top_logprobs is not None:
+                meta["output_top_logprobs"] = out.output_top_logprobs
+        return meta
+
+    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
+        out = self._result(s.text_, sampling_params.to_engine_kwargs())
+        return out.text, self._meta(out, sampling_params)
+
+    def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        handle = self.engine.submit(s.text_, sampling_params.to_engine_kwargs())
+        meta: dict[str, Any] = {"id": handle.request_id}
+        for chunk in handle.stream():
+            if chunk.output is not None:
+                meta = self._meta(self._check(chunk.output), sampling_params)
+            if chunk.text_delta or chunk.finished:
+                yield chunk.text_delta, meta
+
+    # Hints ---------------------------------------------------------------------------------------------
+
+    def cache_prefix(self, prefix_str: str) -> None:
+        if prefix_str:
+            self._result(prefix_str, {"max_new_tokens": 0})
+
+    def commit_lazy_operations(self, s: StreamExecutor) -> None:
+        self.cache_prefix(s.text_)
+
+    # Select --------------------------------------------------------------------------------------------
+
+    def select(
+        self,
+        s: StreamExecutor,
+        choices: list[str],
+        temperature: float,
+        choices_method: ChoicesSamplingMethod,
+    ) -> ChoicesDecision:
+        """Score every choice by the logprobs of its tokens after the prompt, all in one batch.
+
+        Each choice is scored from the first token where `prompt + choice` tokenizes differently from the
+        prompt alone, so a token that merges across the boundary is part of the choice's score. With the
+        prefix hint on, the prompt is computed first, once; every choice request then reuses it from the
+        prefix cache, and the choice requests are submitted together so the engine batches them.
+        """
+        prefix_ids = self.encode(s.text_)
+        full_ids = [self.encode(s.text_ + c) for c in choices]
+        starts = [_common_prefix_len(prefix_ids, f) for f in full_ids]
+        if global_config.enable_prefix_hint and prefix_ids:
+            self._result(prefix_ids, {"max_new_tokens": 0})
+        want_uncond = getattr(choices_method, "requires_unconditional_logprobs", False)
+        pending = []  # (kind, choice index, handle)
+        for i, (ids, start) in enumerate(zip(full_ids, starts, strict=True)):
+            if start >= len(ids):
+                continue  # an empty choice has no tokens to score
+            params = {"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": start}
+            pending.append(("cond", i, self.engine.submit(ids, params)))
+            if want_uncond:
+                pending.append(("uncond", i, self.engine.submit(ids[start:], {**params, "logprob_start_len": 0})))
+        cond: list[list[TokenLogprob]] = [[] for _ in choices]
+        uncond: list[list[TokenLogprob]] = [[] for _ in choices]
+        cached = [0] * len(choices)  # prefix-cache hits of each choice request (shows the hint working)
+        for kind, i, handle in pending:
+            out = self._check(handle.result())
+            toks = [(lp, t, self.tokenizer.decode([t])) for lp, t in zip(out.input_logprobs, out.input_token_ids)]
+            (cond if kind == "cond" else uncond)[i] = toks
+            if kind == "cond":
+                cached[i] = out.cached_tokens
+        kwargs = {
+            "choices": list(choices),
+            "normalized_prompt_logprobs": [mean_logprob(t) for t in cond],
+            "input_token_logprobs": cond,
+            "output_token_logprobs": [[] for _ in choices],
+            "unconditional_token_logprobs": uncond if want_uncond else None,
+        }
+        decision = choices_method(**kwargs)
+        if temperature > 1e-5 and hasattr(choices_method, "scores"):
+            decision = self._sample(choices, choices_method.scores(**kwargs), temperature, decision)
+        decision.meta_info = {**(decision.meta_info or {}), "prefix_tokens": len(prefix_ids),
+                              "score_start": starts, "cached_tokens": cached}
+        return decision
+
+    @staticmethod
+    def _sample(choices: list[str], scores: list[float], temperature: float,
+                greedy: ChoicesDecision) -> ChoicesDecision:
+        finite = [(-math.inf if math.isnan(x) else x) for x in scores]
+        top = max(finite)
+        weights = [math.exp((x - top) / temperature) if x > -math.inf else 0.0 for x in finite]
+        pick = random.choices(range(len(choices)), weights=weights)[0]
+        return ChoicesDecision(choices[pick], {**(greedy.meta_info or {}), "sampled_from_scores": scores})
+
+    # Lifecycle -----------------------------------------------------------------------------------------
+
+    def flush_cache(self) -> None:
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is not None:
+            flush()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"model": self.model_name, **self.engine.stats()}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class Runtime:
+    """Runs the jsgl engine in this process: `rt = jsgl.Runtime(model="smollm2-135m", **engine_kwargs)`,
+    then `jsgl.set_default_backend(rt)` or `fn.run(..., backend=rt)`; `rt.shutdown()` when done.
+    `engine=` wraps an Engine that is already running instead of loading a new one."""
+
+    def __init__(self, model: str = "smollm2-135m", engine: Any = None, **engine_kwargs: Any) -> None:
+        if engine is None:
+            from jsgl.engine.engine import Engine
+
+            engine = Engine(model=model, **engine_kwargs)
+            self._owns_engine = True
+        else:
+            self._owns_engine = False
+        self.engine = engine
+        self.endpoint = EngineBackend(engine, model)
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompt: Any, sampling_params: Any = None) -> Any:
+        """Plain generation without the language (the engine's blocking generate)."""
+        return self.engine.generate(prompt, sampling_params)
+
+    def cache_prefix(self, prefix: str) -> None:
+        self.endpoint.cache_prefix(prefix)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._owns_engine:
+                self.engine.shutdown()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

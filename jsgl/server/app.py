@@ -1,0 +1,185 @@
+"""The jsgl HTTP server: SGLang's native API plus the OpenAI API over one Engine.
+
+    create_app(engine, api_key=None) -> FastAPI app (the caller owns the engine)
+    serve(EngineConfig(...), host="127.0.0.1", port=30000, api_key=None)   # `jsgl serve`
+
+Endpoints: POST /generate, /tokenize, /v1/completions, /v1/chat/completions, /flush_cache,
+/abort_request; GET /v1/models, /get_model_info, /get_server_info, /health. With an API key every
+endpoint but /health wants `Authorization: Bearer <key>`. Errors are `{"error": {"message", "type",
+"param", "code"}}`: 400 for bad input, 401 for a bad key, 500 when generation itself fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jsgl.engine.request import InvalidRequestError
+from jsgl.server import generate_api, openai_api, openai_chat
+from jsgl.server.common import APIError, ServerState, error_body, server_state
+from jsgl.server.protocol import AbortRequest
+
+log = logging.getLogger("jsgl.server")
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the key, so launchers and probes can poll it
+
+
+class APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which would get between a streaming response and the
+    client's disconnect notice)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: do not leak the key
+                body = error_body("invalid or missing API key (send Authorization: Bearer <key>)", 401,
+                                  "authentication_error")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line per bad field. Union fields make pydantic report every alternative, tagged with the
+    alternative's type in `loc` ("sampling_params.list[...]"); keep the first report per field."""
+    parts: dict[str, str] = {}
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [x for x in loc if not (x[:1].isupper() or "[" in x or x in _TYPE_TAGS)]
+        key = ".".join(loc) or "body"
+        if key == "body" and err.get("type") in ("dict_type", "model_attributes_type"):
+            return "the request body must be a JSON object (send it with Content-Type: application/json)"
+        parts.setdefault(key, f"{key}: {err.get('msg')}")
+    # A field whose alternatives all failed also reports the field itself ("should be a valid list"):
+    # the deeper report says more.
+    keep = [msg for key, msg in parts.items() if not any(k.startswith(key + ".") for k in parts)]
+    return "invalid request: " + "; ".join(keep[:5])
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"})
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(_validation_message(exc), 400), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.status, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 400), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed")
+        status = 503 if "shut down" in str(exc) else 500
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", status, "server_error"), status_code=status)
+
+
+def _install_admin_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        alive = server_state(request).engine._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> dict[str, Any]:
+        state = server_state(request)
+        tok, cfg = state.engine.tokenizer, state.engine.model_config
+        # The chat template and special tokens let an HTTP client (RuntimeEndpoint) compute role markers.
+        return {"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": True,
+                "max_context": state.max_context, "vocab_size": int(cfg.vocab_size),
+                "chat_template": getattr(tok, "chat_template", None), "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token}
+
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> dict[str, Any]:
+        state = server_state(request)
+        engine = state.engine
+        return {**dataclasses.asdict(engine.config), **engine.stats(), "max_context": state.max_context,
+                "active_requests": len(state.registry),
+                "client_aborts": state.registry.client_aborts, "idle": engine.idle(), "version": _version()}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> dict[str, Any]:
+        if not await asyncio.to_thread(server_state(request).engine.flush_cache):
+            raise APIError("the cache was not flushed: requests are running; retry when idle", status=400)
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/abort_request")
+    async def abort_request(req: AbortRequest, request: Request) -> dict[str, Any]:
+        state = server_state(request)
+        if req.abort_all:
+            rids = state.registry.ids()
+        elif req.rid:
+            rids = [req.rid]
+        else:
+            raise APIError("give `rid` or `abort_all: true`", param="rid")
+        for rid in rids:
+            state.engine.abort(rid)  # unknown or finished ids are a no-op in the engine
+        return {"success": True, "aborted": rids}
+
+
+def _version() -> str:
+    from jsgl import __version__
+
+    return __version__
+
+
+def create_app(engine: Any, api_key: str | None = None, model_name: str | None = None,
+               owns_engine: bool = False) -> FastAPI:
+    """The ASGI app over a running Engine; with `owns_engine` it shuts the engine down on app shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_engine:
+            await asyncio.to_thread(engine.shutdown)
+            print("jsgl: engine stopped", file=sys.stderr, flush=True)
+
+    app = FastAPI(title="jsgl", version=_version(), lifespan=lifespan)
+    app.state.jsgl = ServerState(engine=engine, model_name=model_name or engine.config.model, api_key=api_key)
+    _install_error_handlers(app)
+    _install_admin_routes(app)
+    app.include_router(generate_api.router)
+    app.include_router(openai_api.router)
+    app.include_router(openai_chat.router)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          log_level: str | None = None) -> None:
+    """Load the engine and serve until SIGINT/SIGTERM (uvicorn's graceful shutdown, then the engine's)."""
+    import uvicorn
+
+    from jsgl.engine.engine import Engine
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without an API key: anyone who can reach the port can use the model", host)
+    engine = Engine(config=engine_config)
+    app = create_app(engine, api_key=api_key, owns_engine=True)
+    print(f"jsgl: serving {engine_config.model} at http://{host}:{port}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level or os.environ.get("JSGL_LOG_LEVEL", "warning"),
+                timeout_graceful_shutdown=5)

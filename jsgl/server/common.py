@@ -1,0 +1,101 @@
+"""What the endpoint modules share: the server state, API errors, parameter checks, token texts."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from jsgl.engine.request import FinishReason, GenerateOutput
+from jsgl.server.streaming import RequestRegistry
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with the given HTTP status (OpenAI's error shape)."""
+
+    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param = message, status, type_, param
+
+
+def error_body(message: str, status: int, type_: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: Any
+    model_name: str
+    api_key: str | None = None
+    registry: RequestRegistry = dataclasses.field(default_factory=RequestRegistry)
+    started_at: float = dataclasses.field(default_factory=time.time)
+    token_text: Callable[[int], str] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        tokenizer = self.engine.tokenizer
+
+        # Logprob responses name the same few thousand tokens over and over; decoding each once is enough.
+        @functools.lru_cache(maxsize=1 << 16)
+        def token_text(token_id: int) -> str:
+            return tokenizer.decode([token_id])
+
+        self.token_text = token_text
+
+    @property
+    def max_context(self) -> int:
+        return int(self.engine.max_context)
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.jsgl
+
+
+def check_max_tokens(state: ServerState, max_tokens: int, name: str = "max_tokens") -> None:
+    if max_tokens > state.max_context:
+        raise APIError(f"{name} ({max_tokens}) exceeds the model's context length ({state.max_context} tokens)",
+                       param=name)
+
+
+def finish_reason_dict(out: GenerateOutput) -> dict[str, Any] | None:
+    """SGLang's meta_info.finish_reason: {"type": "stop", "matched": str|token id|None} | {"type":
+    "length", "length": n} | {"type": "abort", "message": ...}."""
+    reason = out.finish_reason
+    if reason is None:
+        return None
+    if reason == FinishReason.STOP:
+        return {"type": "stop", "matched": out.matched_stop}
+    if reason == FinishReason.LENGTH:
+        return {"type": "length", "length": out.completion_tokens}
+    return {"type": "abort", "message": out.error or "aborted"}
+
+
+def failed(out: GenerateOutput) -> bool:
+    """Aborted by something other than the caller (an engine failure or shutdown)."""
+    return out.finish_reason == FinishReason.ABORT and (out.error or "aborted") != "aborted"
+
+
+def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Text of each token such that the pieces concatenate to the decoded text.
+
+    Decoding a token alone is wrong for byte-level tokenizers when a character spans tokens; decoding a
+    short window and diffing (as the engine's detokenizer does) gives the piece each token adds, with the
+    bytes of an unfinished character attributed to the token that completes it.
+    """
+    pieces: list[str] = []
+    done = 0  # tokens whose text has been attributed
+    for i in range(len(ids)):
+        start = max(0, done - 4)
+        before = tokenizer.decode(ids[start:done])
+        after = tokenizer.decode(ids[start:i + 1])
+        if after.endswith("\ufffd") and i + 1 < len(ids):
+            pieces.append("")  # wait for the rest of the character
+            continue
+        pieces.append(after[len(before):])
+        done = i + 1
+    return pieces

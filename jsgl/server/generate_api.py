@@ -1,0 +1,154 @@
+"""SGLang's native API: POST /generate (single or batch, streaming, logprobs) and POST /tokenize.
+
+    {"text": "...", "sampling_params": {"max_new_tokens": 16, "temperature": 0}, "return_logprob": true}
+    -> {"text": "...", "output_ids": [...], "meta_info": {"id", "finish_reason": {"type", ...},
+        "prompt_tokens", "completion_tokens", "cached_tokens", "input_token_logprobs": [[lp, id, text], ...],
+        "output_token_logprobs": [...], "input_top_logprobs": [...], "output_top_logprobs": [...]}}
+
+A list in `text`/`input_ids` makes a batch and the response a list. `stream: true` answers with SSE
+events carrying the cumulative `text` (and `index` in a batch); the final event of each request carries
+the full meta_info, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from jsgl.engine.request import GenerateOutput
+from jsgl.server.common import APIError, ServerState, check_max_tokens, finish_reason_dict, server_state
+from jsgl.server.protocol import GenerateRequest, GenerateSamplingParams, TokenizeRequest
+from jsgl.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    HandleGroup,
+    sse,
+    sse_response,
+    stream_guard,
+    submit,
+)
+
+router = APIRouter()
+
+
+def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
+    """The prompts and whether the request was a single one (the response is then not a list)."""
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError("give exactly one of `text` and `input_ids`", param="text")
+    if req.text is not None:
+        if isinstance(req.text, str):
+            return [req.text], True
+        prompts, single = list(req.text), False
+    else:
+        ids = req.input_ids or []
+        if ids and isinstance(ids[0], int):
+            return [ids], True
+        prompts, single = list(ids), False
+    if not prompts:
+        raise APIError("the batch is empty", param="text" if req.text is not None else "input_ids")
+    return prompts, single
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(f"`{name}` has {len(value)} entries for a batch of {n}", param=name)
+        return value
+    return [value] * n
+
+
+def _engine_params(state: ServerState, req: GenerateRequest, n: int) -> list[dict[str, Any]]:
+    sampling = _per_item(req.sampling_params or GenerateSamplingParams(), n, "sampling_params")
+    logprob = _per_item(req.return_logprob, n, "return_logprob")
+    start = _per_item(req.logprob_start_len, n, "logprob_start_len")
+    top = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
+    out = []
+    for sp, lp, st, tp in zip(sampling, logprob, start, top, strict=True):
+        check_max_tokens(state, sp.max_new_tokens, "max_new_tokens")
+        params = sp.model_dump(exclude_unset=True)
+        params.setdefault("max_new_tokens", sp.max_new_tokens)
+        params.update(return_logprob=lp, logprob_start_len=st if lp else -1, top_logprobs_num=tp if lp else 0)
+        out.append(params)
+    return out
+
+
+def _triples(state: ServerState, pairs: Any, with_text: bool) -> list[list[Any]]:
+    """[logprob, token_id, text or None] triples, SGLang's logprob format."""
+    return [[lp, int(t), state.token_text(int(t)) if with_text else None] for lp, t in pairs]
+
+
+def _top(state: ServerState, rows: list | None, with_text: bool) -> list[Any]:
+    return [None if row is None else _triples(state, row, with_text) for row in rows or []]
+
+
+def generate_body(state: ServerState, out: GenerateOutput, return_logprob: bool, with_text: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": finish_reason_dict(out),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+    }
+    if return_logprob:
+        meta["input_token_logprobs"] = _triples(state, zip(out.input_logprobs or [], out.input_token_ids or []),
+                                                with_text)
+        meta["output_token_logprobs"] = _triples(state, zip(out.output_logprobs or [], out.token_ids), with_text)
+        if out.input_top_logprobs is not None or out.output_top_logprobs is not None:
+            meta["input_top_logprobs"] = _top(state, out.input_top_logprobs, with_text)
+            meta["output_top_logprobs"] = _top(state, out.output_top_logprobs, with_text)
+    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(req: GenerateRequest, request: Request) -> Any:
+    state = server_state(request)
+    prompts, single = _prompts(req)
+    params = _engine_params(state, req, len(prompts))
+    rids = None if req.rid is None else _per_item(req.rid, len(prompts), "rid")
+    if rids is not None and not isinstance(req.rid, list) and len(prompts) > 1:
+        raise APIError("a batch needs one `rid` per prompt", param="rid")
+    handles = await submit(state.engine, state.registry, prompts, params, rids)
+    group = HandleGroup(handles, state.registry)
+    with_text = req.return_text_in_logprobs
+    if req.stream:
+        return sse_response(stream_guard(group, lambda: _stream(state, group, params, single, with_text)))
+    try:
+        outs = await group.outputs(request)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the requests were aborted and their KV freed
+    bodies = [generate_body(state, out, p["return_logprob"], with_text) for out, p in zip(outs, params)]
+    return bodies[0] if single else bodies
+
+
+async def _stream(state: ServerState, group: HandleGroup, params: list[dict[str, Any]], single: bool,
+                  with_text: bool) -> AsyncIterator[str]:
+    texts = [""] * len(group.handles)
+    async for i, chunk in group.events():
+        if chunk.finished:
+            event = generate_body(state, chunk.output, params[i]["return_logprob"], with_text)
+        else:
+            texts[i] += chunk.text_delta
+            # Cumulative text, as SGLang streams it; meta_info says how far along the request is.
+            event = {"text": texts[i], "meta_info": {"id": chunk.request_id, "finish_reason": None,
+                                                     "completion_tokens": len(chunk.token_ids)}}
+        if not single:
+            event["index"] = i
+        yield sse(event)
+    yield SSE_DONE
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    tok = state.engine.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=req.add_special_tokens).input_ids)
+
+    if isinstance(req.prompt, str):
+        ids = encode(req.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_context}
+    batch = [encode(p) for p in req.prompt]
+    return {"tokens": batch, "count": [len(b) for b in batch], "max_model_len": state.max_context}

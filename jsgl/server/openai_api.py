@@ -1,0 +1,208 @@
+"""OpenAI-compatible API, part 1: /v1/models, /v1/completions and what chat shares with completions.
+
+Requests become engine requests with the same sampling semantics as /generate; `n` choices are `n`
+engine requests submitted together (so they are batched), choice j seeded `seed + j` when a seed is given.
+SGLang/vLLM extensions (`top_k`, `min_p`, `regex`, `json_schema`, `ignore_eos`, `stop_token_ids`) are
+accepted as extra body fields. Streamed logprobs arrive with each choice's final chunk.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from jsgl.engine.request import FinishReason, GenerateOutput
+from jsgl.server.common import APIError, ServerState, check_max_tokens, failed, server_state, token_pieces
+from jsgl.server.protocol import CompletionRequest, OpenAIBase
+from jsgl.server.streaming import (
+    SSE_DONE,
+    ClientDisconnected,
+    HandleGroup,
+    sse,
+    sse_response,
+    stream_guard,
+    submit,
+)
+
+router = APIRouter()
+
+
+# ------------------------------------------------------------------------------------------- shared parts
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def sampling_params(req: OpenAIBase, max_tokens: int) -> dict[str, Any]:
+    """Engine SamplingParams fields of an OpenAI request (unset fields keep the engine's defaults)."""
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported by this server", param="logit_bias")
+    params: dict[str, Any] = {"max_new_tokens": max_tokens, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
+                              "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
+                              "regex": req.regex, "json_schema": req.json_schema}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            params[name] = value
+    return params
+
+
+def expand_n(prompts: list[Any], params: dict[str, Any], n: int, rid_base: str
+             ) -> tuple[list[Any], list[dict[str, Any]], list[str]]:
+    """Choice k = prompt k // n, sample k % n (OpenAI's ordering of choices)."""
+    out_prompts, out_params, rids = [], [], []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            p = dict(params)
+            if j and p.get("seed") is not None:
+                p["seed"] = p["seed"] + j  # the same seed would make every choice identical
+            out_prompts.append(prompt)
+            out_params.append(p)
+            rids.append(f"{rid_base}-{i * n + j}")
+    return out_prompts, out_params, rids
+
+
+def openai_finish_reason(out: GenerateOutput) -> str | None:
+    if out.finish_reason is None:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "abort")
+
+
+def usage(outs: list[GenerateOutput], n: int) -> dict[str, Any]:
+    """A prompt is counted once however many choices it has (as OpenAI bills it)."""
+    prompt = sum(o.prompt_tokens for o in outs[::n])
+    completion = sum(o.completion_tokens for o in outs)
+    cached = sum(o.cached_tokens for o in outs[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def raise_if_failed(outs: list[GenerateOutput]) -> None:
+    for out in outs:
+        if failed(out):
+            raise APIError(f"generation failed: {out.error}", status=500, type_="server_error")
+
+
+async def run_choices(state: ServerState, prompts: list[Any], params: dict[str, Any], n: int,
+                      rid_base: str) -> HandleGroup:
+    all_prompts, all_params, rids = expand_n(prompts, params, n, rid_base)
+    handles = await submit(state.engine, state.registry, all_prompts, all_params, rids)
+    return HandleGroup(handles, state.registry)
+
+
+ChunkMaker = Callable[[int, str, "str | None", Any], dict[str, Any]]
+
+
+async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, final_extra: Callable[[int, GenerateOutput], Any],
+                         usage_chunk: Callable[[list[GenerateOutput]], dict[str, Any]] | None) -> AsyncIterator[str]:
+    """The SSE body shared by both endpoints: one event per text delta; the final chunk of a choice
+    carries its finish_reason (and logprobs); then an optional usage event and [DONE]."""
+    outs: list[GenerateOutput | None] = [None] * len(group.handles)
+    async for i, chunk in group.events():
+        if chunk.finished:
+            outs[i] = out = chunk.output
+            if failed(out):
+                yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
+                                     "code": 500}})
+                continue
+            yield sse(make_chunk(i, chunk.text_delta, openai_finish_reason(out), final_extra(i, out)))
+        elif chunk.text_delta:
+            yield sse(make_chunk(i, chunk.text_delta, None, None))
+    if usage_chunk is not None and all(o is not None for o in outs):
+        yield sse(usage_chunk(outs))
+    yield SSE_DONE
+
+
+# --------------------------------------------------------------------------------------------- endpoints
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
+                                        "owned_by": "jsgl", "root": state.model_name,
+                                        "max_model_len": state.max_context}]}
+
+
+def _completion_prompts(req: CompletionRequest) -> list[Any]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def completion_logprobs(state: ServerState, out: GenerateOutput, echo: bool, top: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs object; with echo, the prompt's tokens come first (the very first one
+    has no logprob). text_offset indexes the choice's text (echoed prompt included)."""
+    ids, lps, tops = list(out.token_ids), list(out.output_logprobs or []), list(out.output_top_logprobs or [])
+    if echo:
+        ids = list(out.input_token_ids or []) + ids
+        lps = list(out.input_logprobs or []) + lps
+        tops = list(out.input_top_logprobs or [None] * len(out.input_token_ids or [])) + tops
+    pieces = token_pieces(state.engine.tokenizer, ids)
+    offsets, pos = [], 0
+    for piece in pieces:
+        offsets.append(pos)
+        pos += len(piece)
+    top_dicts = None
+    if top:
+        top_dicts = [None if row is None else {state.token_text(t): lp for lp, t in row} for row in tops]
+    return {"tokens": pieces, "token_logprobs": lps, "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    state = server_state(request)
+    if req.suffix:
+        raise APIError("suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of must equal n (or be left out)", param="best_of")
+    prompts = _completion_prompts(req)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    check_max_tokens(state, max_tokens)
+    params = sampling_params(req, max_tokens)
+    if req.logprobs is not None:
+        params.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=0 if req.echo else -1)
+    cid, created = new_id("cmpl"), int(time.time())
+    group = await run_choices(state, prompts, params, req.n, cid)
+    tok = state.engine.tokenizer
+    echo_text = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
+
+    def logprobs_of(out: GenerateOutput) -> dict[str, Any] | None:
+        return None if req.logprobs is None else completion_logprobs(state, out, req.echo, req.logprobs)
+
+    def head(i: int) -> str:
+        return echo_text[i // req.n] if echo_text else ""
+
+    if req.stream:
+        started: set[int] = set()
+
+        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
+            if i not in started:  # the echoed prompt goes out with the choice's first chunk
+                started.add(i)
+                text = head(i) + text
+            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+        def usage_chunk(outs: list[GenerateOutput]) -> dict[str, Any]:
+            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [], "usage": usage(outs, req.n)}
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        body = lambda: stream_choices(group, make_chunk, lambda i, out: logprobs_of(out),
+                                      usage_chunk if include_usage else None)
+        return sse_response(stream_guard(group, body))
+    try:
+        outs = await group.outputs(request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    raise_if_failed(outs)
+    choices = [{"index": i, "text": head(i) + out.text, "logprobs": logprobs_of(out),
+                "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
+    return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": usage(outs, req.n)}
