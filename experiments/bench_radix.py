@@ -25,7 +25,7 @@ SUBJECTS = ["high_school_geography", "marketing", "nutrition", "sociology", "wor
             "astronomy", "virology", "philosophy"]
 
 
-def run_config(prompts: list[str], params: dict, **engine_kwargs) -> dict:
+def run_config(name: str, prompts: list[str], params: dict, **engine_kwargs) -> dict:
     from jsgl.engine.engine import Engine
 
     engine = Engine(**engine_kwargs)
@@ -41,6 +41,7 @@ def run_config(prompts: list[str], params: dict, **engine_kwargs) -> dict:
         engine.shutdown()
     cached = stats["cached_tokens"] - before["cached_tokens"]
     prompt_tokens = stats["prompt_tokens"] - before["prompt_tokens"]
+    print(f"  {name}: {wall:.1f}s, hit rate {cached / prompt_tokens:.3f}", flush=True)
     return {"wall_s": wall, "req_per_s": len(prompts) / wall, "hit_rate": cached / prompt_tokens,
             "optimal_hit_rate": stats["optimal_hit_rate"], "tree_time_s": stats.get("tree_time_s", 0.0),
             "evicted_tokens": stats.get("evicted_tokens", 0), "retractions": stats["retractions"],
@@ -60,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     items = [item for s in subjects for item in mmlu_five_shot(s, args.questions)]
     prompts = [p for p, _ in items]
     results: dict[str, dict] = {}
-    print(f"MMLU 5-shot: {len(subjects)} subjects x {args.questions} questions = {len(prompts)} prompts")
+    print(f"MMLU 5-shot: {len(subjects)} subjects x {args.questions} questions = {len(prompts)} prompts",
+          flush=True)
 
     base = {"kv_cache_gb": 1.0, "max_running_requests": 64, "chunked_prefill_size": 1024}
     for mode in ("radix", "flat", "none"):
-        results[f"cache={mode}"] = run_config(prompts, ANSWER, prefix_cache=mode, **base)
+        results[f"cache={mode}"] = run_config(f"cache={mode}", prompts, ANSWER, prefix_cache=mode, **base)
     same = results["cache=radix"]["outputs"] == results["cache=none"]["outputs"]
     accuracy = sum(o.strip() == gold for o, (_, gold) in zip(results["cache=radix"]["outputs"], items)) / len(items)
 
@@ -77,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     random.Random(0).shuffle(shuffled)
     for policy in ("lpm", "dfs-weight", "fcfs", "random"):
         results[f"small pool, {policy}"] = run_config(
-            shuffled, ANSWER, prefix_cache="radix", schedule_policy=policy, num_kv_slots=slots,
+            f"small pool, {policy}", shuffled, ANSWER, prefix_cache="radix", schedule_policy=policy, num_kv_slots=slots,
             max_running_requests=16, chunked_prefill_size=1024)
 
     turns = [tok.decode(tok(t).input_ids[:384]) for t in sharegpt_first_turns(args.sharegpt)]
-    results["sharegpt (no reuse)"] = run_config(turns, {"max_new_tokens": 16, "temperature": 0},
+    results["sharegpt (no reuse)"] = run_config("sharegpt (no reuse)", turns, {"max_new_tokens": 16, "temperature": 0},
                                                 prefix_cache="radix", **base)
 
     print(f"\n{'configuration':<24} {'req/s':>7} {'wall s':>7} {'hit rate':>9} {'optimal':>8} {'evicted':>8} "

@@ -174,6 +174,20 @@ def test_unknown_model_path():
         Engine(model="/no/such/model/dir")
 
 
+@pytest.mark.parametrize("prefix_cache", ["radix", "none"])
+def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
+    expected = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+    paged = Engine(model="smollm2-135m", num_kv_slots=1024, page_size=4, prefix_cache=prefix_cache)
+    try:
+        for _ in range(2):  # the second round reuses whole cached pages
+            assert [o.token_ids for o in paged.generate(PROMPTS, GREEDY)] == expected
+        wait_idle(paged)
+        assert paged.flush_cache()
+        assert paged.allocator.num_free() == paged.allocator.capacity
+    finally:
+        paged.shutdown()
+
+
 def test_memory_pressure_retracts_and_completes():
     """A pool too small for every request at once still finishes all of them, correctly."""
     small = Engine(model="smollm2-135m", num_kv_slots=160, prefix_cache="none", max_running_requests=8)

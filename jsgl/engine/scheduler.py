@@ -18,6 +18,9 @@ import numpy as np
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.sequence import Sequence
 
+IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one step for the tree
+MAX_DEFERRED_SCAN = 64
+
 
 @dataclasses.dataclass
 class Batch:
@@ -168,14 +171,23 @@ class Scheduler:
             budget -= chunk
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and self.num_active() < self.max_running:
-            seq = self.waiting[0]
+            seq = self.waiting.pop(0)
             self._match_prefix(seq)
+            if self._shares_uncached_prefix(seq, seqs):
+                # Its prefix is being computed in this very step: admit it next step, when the tree
+                # has that prefix, instead of computing the same tokens twice.
+                self.release(seq)
+                deferred.append(seq)
+                if len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
+                    break
+                continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
             if not fits(seq, chunk) or not self._grow(seq, seq.num_computed + chunk):
                 self.release(seq)
+                self.waiting.insert(0, seq)
                 break
-            self.waiting.pop(0)
             if not seq.admitted:
                 seq.admitted = True
                 seq.cached_tokens_reported = seq.num_cached
@@ -185,10 +197,27 @@ class Scheduler:
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
+        self.waiting[:0] = deferred
         if not seqs:
             return None
         self.stats.computed_prefill_tokens += sum(chunks)
         return Batch(False, seqs, chunks)
+
+    def _shares_uncached_prefix(self, seq: Sequence, batch: list[Sequence]) -> bool:
+        """Whether ``seq`` shares more than IN_BATCH_PREFIX_MIN tokens beyond its cached prefix with a
+        sequence already in this extend batch (only matters with a prefix cache)."""
+        if self.cache is None or not batch:
+            return False
+        tokens = seq.token_ids
+        for other in batch:
+            other_tokens = other.token_ids
+            limit = min(len(tokens), len(other_tokens))
+            common = seq.num_cached
+            while common < limit and tokens[common] == other_tokens[common]:
+                common += 1
+            if common - seq.num_cached >= IN_BATCH_PREFIX_MIN:
+                return True
+        return False
 
     def _schedule_decode(self) -> Batch | None:
         # Newest first out when memory runs short, so older requests keep making progress.
