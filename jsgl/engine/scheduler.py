@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 
 from jsgl.engine.kv_pool import SlotAllocator
+from jsgl.engine.model_runner import bucket
 from jsgl.engine.sequence import Sequence
 
 IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one step for the tree
 MAX_DEFERRED_SCAN = 64
+PADDING_FACTOR = 2  # an extend batch's padded attention rows may be at most this times its tokens
 
 
 @dataclasses.dataclass
@@ -160,7 +162,14 @@ class Scheduler:
             items = len(seqs) + 1
             max_new = max([chunk, *chunks])
             max_len = max([seq.num_computed + chunk, *(s.num_computed + c for s, c in zip(seqs, chunks))])
-            return not seqs or self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
+            if not seqs:
+                return True
+            # Attention is padded to [requests, longest chunk]: a short extend next to a long chunk
+            # would pay for the long one, so such mixes wait for the next step.
+            padded_rows = bucket(items) * bucket(max_new, 16)
+            if padded_rows > PADDING_FACTOR * bucket(sum(chunks) + chunk, 16):
+                return False
+            return self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
 
         for seq in list(self.prefilling):
             chunk = min(seq.num_tokens - seq.num_computed, budget)
