@@ -210,7 +210,7 @@ class Engine:
         cache = self.prefix_cache
         tree = {} if cache is None else {
             "cache_tokens": cache.total_size(), "evicted_tokens": cache.evicted_tokens_total,
-            "tree_time_s": cache.match_time_s + cache.insert_time_s + cache.evict_time_s}
+            "tree_time_s": cache.time_s}
         return {
             **tree,
             "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,

@@ -10,7 +10,6 @@ evicts unreferenced leaves, and a decode step that still cannot fit retracts the
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
@@ -289,6 +288,3 @@ class Scheduler:
         for queue in (self.waiting, self.prefilling, self.running):
             if seq in queue:
                 queue.remove(seq)
-
-    def now(self) -> float:
-        return time.monotonic()

@@ -50,7 +50,6 @@ class Sequence:
     stream_queue: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     output: GenerateOutput | None = None
-    abort_requested: bool = False
 
     @property
     def token_ids(self) -> list[int]:

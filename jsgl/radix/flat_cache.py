@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.radix_cache import empty_slots
 
 
@@ -49,21 +50,11 @@ class FlatEntry:
         return f"FlatEntry(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access_time})"
 
 
-class FlatCache:
+class FlatCache(PrefixCacheBase):
     """Whole-sequence prefix cache with LRU eviction of unlocked entries."""
 
     def __init__(self, page_size: int = 1, free_slots: Callable[[np.ndarray], None] | None = None) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        self.free_slots = free_slots if free_slots is not None else (lambda slots: None)
-        self.evicted_tokens_total = 0
-        self.query_tokens_total = 0
-        self.hit_tokens_total = 0
-        self.match_time_s = 0.0
-        self.insert_time_s = 0.0
-        self.evict_time_s = 0.0
-        self._clock = itertools.count(1)
+        super().__init__(page_size, free_slots)
         # The "no match" handle: lock calls on it are no-ops, like on RadixCache's root.
         self.root = FlatEntry((), empty_slots())
         self._new_table()
@@ -76,9 +67,6 @@ class FlatCache:
         self._locked = np.zeros(0, dtype=np.int32)
         self._evictable = 0  # distinct slots held only by unlocked entries
         self._protected = 0  # distinct slots held by at least one locked entry
-
-    def page_aligned_len(self, n: int) -> int:
-        return n - n % self.page_size
 
     def _aligned(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, ...]:
         seq = np.asarray(tokens, dtype=np.int32).tolist()
@@ -212,28 +200,8 @@ class FlatCache:
             raise RuntimeError(f"reset with {self._protected} slots locked by running requests")
         self._new_table()
 
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-    def total_size(self) -> int:
-        """Distinct pool slots held by the table."""
-        return self._evictable + self._protected
-
     def entries(self) -> list[FlatEntry]:
         return list(self._entries.values())
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "cached_tokens": self.total_size(),
-            "evictable_tokens": self._evictable,
-            "protected_tokens": self._protected,
-            "evicted_tokens_total": self.evicted_tokens_total,
-            "hit_rate": self.hit_tokens_total / self.query_tokens_total if self.query_tokens_total else 0.0,
-            "tree_time_s": self.match_time_s + self.insert_time_s + self.evict_time_s,
-        }
 
     def format_tree(self, max_tokens: int = 8) -> str:
         lines = [f"flat table (evictable={self._evictable}, protected={self._protected})"]
@@ -242,6 +210,3 @@ class FlatCache:
             lines.append(f"  {list(e.key[:max_tokens])}{more} len={len(e.key)} lock={e.lock_ref} "
                          f"t={e.last_access_time}")
         return "\n".join(lines)
-
-    def pretty_print(self) -> None:
-        print(self.format_tree())

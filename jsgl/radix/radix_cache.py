@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from jsgl.radix.cache_base import PrefixCacheBase
+
 ChildKey = int | tuple[int, ...]
 
 
@@ -63,24 +65,11 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access_time})"
 
 
-class RadixCache:
+class RadixCache(PrefixCacheBase):
     """Prefix cache over KV-pool slots with LRU eviction of unlocked leaves."""
 
     def __init__(self, page_size: int = 1, free_slots: Callable[[np.ndarray], None] | None = None) -> None:
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        # Default: just forget freed slots (tools and tests that keep no pool).
-        self.free_slots = free_slots if free_slots is not None else (lambda slots: None)
-        # Counters for the engine's metrics; they survive reset() (they describe the engine's life).
-        self.evicted_tokens_total = 0
-        self.query_tokens_total = 0  # tokens looked up by match_prefix
-        self.hit_tokens_total = 0  # of which found in the tree
-        self.match_time_s = 0.0
-        self.insert_time_s = 0.0
-        self.evict_time_s = 0.0
-        # A logical clock, not wall time: strictly increasing, so LRU order is deterministic.
-        self._clock = itertools.count(1)
+        super().__init__(page_size, free_slots)
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -88,10 +77,6 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evictable; its count is not part of the sizes
         self._evictable = 0
         self._protected = 0
-
-    def page_aligned_len(self, n: int) -> int:
-        """Longest length <= n made of whole pages: the part of a sequence the tree can hold."""
-        return n - n % self.page_size
 
     def _aligned(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int32)
@@ -292,28 +277,8 @@ class RadixCache:
             raise RuntimeError(f"reset with {self._protected} tokens locked by running requests")
         self._new_tree()
 
-    def evictable_size(self) -> int:
-        return self._evictable
-
-    def protected_size(self) -> int:
-        return self._protected
-
-    def total_size(self) -> int:
-        """Tokens (= pool slots) held by the tree."""
-        return self._evictable + self._protected
-
     def num_nodes(self) -> int:
         return sum(1 for _ in self.iter_nodes())
-
-    def stats(self) -> dict[str, float]:
-        return {
-            "cached_tokens": self.total_size(),
-            "evictable_tokens": self._evictable,
-            "protected_tokens": self._protected,
-            "evicted_tokens_total": self.evicted_tokens_total,
-            "hit_rate": self.hit_tokens_total / self.query_tokens_total if self.query_tokens_total else 0.0,
-            "tree_time_s": self.match_time_s + self.insert_time_s + self.evict_time_s,
-        }
 
     def format_tree(self, max_tokens: int = 8) -> str:
         lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
@@ -326,6 +291,3 @@ class RadixCache:
                          f"t={node.last_access_time}")
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
         return "\n".join(lines)
-
-    def pretty_print(self) -> None:
-        print(self.format_tree())
