@@ -118,15 +118,20 @@ class HandleGroup:
         whether the client has disconnected and raise ClientDisconnected if so (non-streaming responses:
         nothing else notices a client that hangs up while we wait)."""
         getter: asyncio.Future | None = None
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + poll_s
         try:
             while not all(self.finished):
                 if getter is None:
                     getter = asyncio.ensure_future(self.queue.get())
                 # asyncio.wait (unlike wait_for) never cancels the getter, so a chunk is never lost to a timeout.
                 done, _ = await asyncio.wait({getter}, timeout=poll_s if request is not None else None)
-                if not done:
-                    if request is not None and await request.is_disconnected():
+                # Check on a clock, not only when chunks stop: a fast decode yields a chunk every step.
+                if request is not None and loop.time() >= next_check:
+                    next_check = loop.time() + poll_s
+                    if await request.is_disconnected():
                         raise ClientDisconnected()
+                if not done:
                     continue
                 index, chunk = getter.result()
                 getter = None
