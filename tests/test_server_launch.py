@@ -12,8 +12,8 @@ from jsgl.server.launch import launch_server_process
 
 @pytest.fixture(scope="module")
 def server():
-    srv = launch_server_process(model="smollm2-135m", api_key="k3y", kv_cache_gb=0.125, max_running_requests=8,
-                                chunked_prefill_size=128, timeout=300)
+    srv = launch_server_process(model="smollm2-135m", api_key="k3y", kv_cache_gb=0.25, max_running_requests=8,
+                                chunked_prefill_size=256, timeout=300)
     yield srv
     srv.shutdown()
 
@@ -23,7 +23,7 @@ def test_subprocess_server_serves_and_shuts_down(server):
     assert httpx.post(server.url + "/generate", json={"text": "hi"}).status_code == 401  # the key is enforced
     headers = {"Authorization": "Bearer k3y"}
     info = httpx.get(server.url + "/get_server_info", headers=headers).json()
-    assert info["kv_cache_gb"] == 0.125 and info["max_running_requests"] == 8  # engine flags reached the child
+    assert info["kv_cache_gb"] == 0.25 and info["max_running_requests"] == 8  # engine flags reached the child
 
     @sgl.function
     def qa(s):

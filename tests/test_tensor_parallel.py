@@ -123,7 +123,7 @@ def child_main(out_path: str) -> None:
         logits = _full_logits(runner, prompts[0])
         if ref_logits is None:
             ref_logits = logits
-        layers = runner.params["layers"]
+        layers = runner.params["layers"][-1]
         result[f"tp{tp}"] = {
             "max_abs_diff": float(np.abs(logits - ref_logits).max()),
             "logit_range": float(ref_logits.max() - ref_logits.min()),
@@ -133,8 +133,9 @@ def child_main(out_path: str) -> None:
             "shards": {name: _shapes(a) for name, a in [
                 ("embed", runner.params["embed"]), ("wq", layers["wq"]), ("wk", layers["wk"]),
                 ("wo", layers["wo"]), ("w_up", layers["w_up"]), ("w_down", layers["w_down"]),
-                ("attn_norm", layers["attn_norm"]), ("k_pool", runner.kv[0]), ("v_pool", runner.kv[1])]},
-            "kv_spec": list(runner.kv[0].sharding.spec) if runner.tp else None,
+                ("attn_norm", layers["attn_norm"]), ("k_pool", runner.kv[0][-1]), ("v_pool", runner.kv[1][-1])]},
+            "num_layers": [len(runner.params["layers"]), len(runner.kv[0]), len(runner.kv[1])],
+            "kv_spec": list(runner.kv[0][-1].sharding.spec) if runner.tp else None,
             "seconds": time.perf_counter() - start,
         }
         del runner, params
@@ -146,7 +147,7 @@ def child_main(out_path: str) -> None:
         outs = engine.generate(prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
                                progress=False)
         result["engine"] = {"token_ids": [o.token_ids for o in outs], "texts": [o.text for o in outs],
-                            "k_pool": _shapes(engine.runner.kv[0]), "seconds": time.perf_counter() - start}
+                            "k_pool": _shapes(engine.runner.kv[0][0]), "seconds": time.perf_counter() - start}
     finally:
         engine.shutdown()
     try:
@@ -213,22 +214,23 @@ if __name__ != "__main__":
         r = tp_run[f"tp{tp}"]
         assert r["heads"] == heads
         s, hq, hkv = r["shards"], heads[0] // tp, heads[1] // tp
-        assert s["wq"] == [[30, 576, hq * 64]] * tp  # column-parallel: whole q heads per shard
-        assert s["wk"] == [[30, 576, hkv * 64]] * tp
-        assert s["wo"] == [[30, hq * 64, 576]] * tp  # row-parallel
-        assert s["w_up"] == [[30, 576, 1536 // tp]] * tp
-        assert s["w_down"] == [[30, 1536 // tp, 576]] * tp
+        assert r["num_layers"] == [30, 30, 30]  # per-layer weights and pools
+        assert s["wq"] == [[576, hq * 64]] * tp  # column-parallel: whole q heads per shard
+        assert s["wk"] == [[576, hkv * 64]] * tp
+        assert s["wo"] == [[hq * 64, 576]] * tp  # row-parallel
+        assert s["w_up"] == [[576, 1536 // tp]] * tp
+        assert s["w_down"] == [[1536 // tp, 576]] * tp
         assert s["embed"] == [[49152 // tp, 576]] * tp  # vocab-parallel, tied lm head
-        assert s["attn_norm"] == [[30, 576]] * tp  # replicated
-        assert s["k_pool"] == s["v_pool"] == [[30, hkv, 64, 64]] * tp
+        assert s["attn_norm"] == [[576]] * tp  # replicated
+        assert s["k_pool"] == s["v_pool"] == [[hkv, 64, 64]] * tp
         if tp > 1:
-            assert r["kv_spec"] == [None, "tp"]  # NamedSharding over the KV-head axis
+            assert r["kv_spec"] == ["tp"]  # NamedSharding over the KV-head axis
 
     def test_engine_tp2_serves_batch(tp_run: dict[str, Any]) -> None:
         eng = tp_run["engine"]
         assert eng["token_ids"] == tp_run["tp1"]["greedy"]  # the engine at tp=2 == the runner at tp=1
         assert all(text for text in eng["texts"])
-        assert eng["k_pool"] == [[30, 2, 512, 64]] * 2
+        assert eng["k_pool"] == [[2, 512, 64]] * 2
 
     def test_too_many_devices_is_a_clear_error(tp_run: dict[str, Any]) -> None:
         assert "tp=8 needs 8 local devices but only 4" in tp_run["too_many_error"]

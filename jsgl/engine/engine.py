@@ -11,7 +11,6 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -22,14 +21,15 @@ import numpy as np
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
+from jsgl.engine.handle import RequestHandle
 from jsgl.engine.kv_pool import SlotAllocator, slots_for_memory
-from jsgl.engine.model_runner import ForwardItem, ModelRunner, enable_compilation_cache
+from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
+from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import (
     FinishReason,
     GenerateOutput,
     InvalidRequestError,
     SamplingParams,
-    StreamChunk,
     new_request_id,
 )
 from jsgl.engine.scheduler import Batch, Scheduler
@@ -42,34 +42,6 @@ from jsgl.radix.radix_cache import RadixCache
 from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
 log = logging.getLogger("jsgl.engine")
-
-
-class RequestHandle:
-    """A submitted request: wait for its result, stream it, or abort it."""
-
-    def __init__(self, engine: Engine, seq: Sequence):
-        self._engine, self._seq = engine, seq
-        self.request_id = seq.rid
-
-    def result(self, timeout: float | None = None) -> GenerateOutput:
-        if not self._seq.done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
-        assert self._seq.output is not None
-        return self._seq.output
-
-    def stream(self) -> Iterator[StreamChunk]:
-        while True:
-            chunk = self._seq.stream_queue.get()
-            yield chunk
-            if chunk.finished:
-                return
-
-    def abort(self) -> None:
-        self._engine.abort(self.request_id)
-
-    @property
-    def done(self) -> bool:
-        return self._seq.done.is_set()
 
 
 class Engine:
@@ -108,6 +80,7 @@ class Engine:
         self._pending: list[Sequence] = []  # waiting for their constraint's index to build
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              self.config.jump_forward)
+        self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.max_context)
         self._distinct = DistinctPrefixCounter()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
@@ -332,104 +305,20 @@ class Engine:
         if batch is None:
             return None
         t0 = time.perf_counter()
-        items = [self._forward_item(seq, chunk, batch.samples(i))
+        items = [self.outputs.forward_item(seq, chunk, batch.samples(i))
                  for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))]
         top = max((s.params.top_logprobs_num for s in batch.seqs if s.params.return_logprob), default=0)
         want_prompt = (not batch.is_decode) and any(s.wants_prompt_logprobs for s in batch.seqs)
         out = self.runner.run(items, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
         self.forward_passes += 1
         for i, seq in enumerate(batch.seqs):
-            self._absorb(seq, batch, i, out)
+            if self.outputs.absorb(seq, batch.chunks[i], batch.samples(i), out, i):
+                if seq.finished:  # free KV before waking the caller, so "done" implies "released"
+                    self._retire(seq)
+                seq.publish()
         self.scheduler.after_step(batch)
         self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
         return batch
-
-    def _forward_item(self, seq: Sequence, chunk: int, samples: bool) -> ForwardItem:
-        tokens = seq.token_ids
-        start = seq.num_computed
-        p = seq.params
-        item = ForwardItem(
-            token_ids=np.asarray(tokens[start: start + chunk], np.int32), start_pos=start,
-            slots=seq.slots, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
-            top_k=p.top_k, min_p=p.min_p, seed=seq.seed, step=len(seq.output_ids))
-        if seq.wants_prompt_logprobs:
-            nxt = tokens[start + 1: start + chunk + 1]
-            item.target_ids = np.asarray(nxt + [0] * (chunk - len(nxt)), np.int32)
-        if samples:
-            item.logit_bias = self._logit_bias(seq)
-            if seq.constraint is not None:
-                t0 = time.perf_counter()
-                item.bitmask = seq.constraint.allowed_token_bitmask()
-                self.constraints.mask_time_s += time.perf_counter() - t0
-        return item
-
-    def _logit_bias(self, seq: Sequence) -> np.ndarray | None:
-        p = seq.params
-        if not (p.frequency_penalty or p.presence_penalty) or not seq.output_ids:
-            return None
-        counts = np.bincount(np.asarray(seq.output_ids), minlength=self.model_config.vocab_size)
-        return (-p.frequency_penalty * counts - p.presence_penalty * (counts > 0)).astype(np.float32)
-
-    def _absorb(self, seq: Sequence, batch: Batch, i: int, out: Any) -> None:
-        chunk, start, samples = batch.chunks[i], seq.num_computed, batch.samples(i)
-        if out.prompt_logprobs is not None and seq.wants_prompt_logprobs:
-            self._collect_prompt_logprobs(seq, start, chunk, out, i)
-        seq.num_computed += chunk
-        if seq.finished or not samples:
-            return
-        if len(seq.output_ids) >= seq.max_new_tokens:  # prefill-only request (max_new_tokens == 0)
-            self._finish(seq, FinishReason.LENGTH)
-            return
-        token = int(out.tokens[i])
-        seq.output_ids.append(token)
-        if seq.params.return_logprob:
-            seq.output_logprobs.append(float(out.logprobs[i]))
-            if out.top_logprobs is not None and seq.params.top_logprobs_num:
-                k = seq.params.top_logprobs_num
-                vals, ids = out.top_logprobs
-                seq.output_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[i][:k], ids[i][:k])])
-        if seq.constraint is not None and token not in seq.stop_ids:
-            seq.constraint.advance(token)
-        self._check_finish(seq, token)
-        if not seq.finished and seq.constraint is not None:
-            self.constraints.maybe_jump(seq, self.max_context)
-            if seq.detok.matched_stop is not None:
-                seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
-        if seq.finished:  # free KV before waking the caller, so "done" implies "released"
-            self._retire(seq)
-        seq.publish()
-
-    def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
-        """Logprob of prompt token j comes from position j-1; keep those with j >= logprob_start_len."""
-        p = seq.params
-        if not seq.input_logprobs and p.logprob_start_len == 0:
-            seq.input_logprobs.append(None)
-            seq.input_top_logprobs.append(None)
-        first = max(p.logprob_start_len, 1)
-        values = out.prompt_logprobs[i]
-        for off in range(chunk):
-            j = start + off + 1  # the prompt token this position predicts
-            if j < first or j >= len(seq.prompt_ids) or j - p.logprob_start_len < len(seq.input_logprobs):
-                continue
-            seq.input_logprobs.append(float(values[off]))
-            if out.prompt_top_logprobs is not None and p.top_logprobs_num:
-                vals, ids = out.prompt_top_logprobs[i]
-                k = p.top_logprobs_num
-                seq.input_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[off][:k], ids[off][:k])])
-            else:
-                seq.input_top_logprobs.append(None)
-
-    def _check_finish(self, seq: Sequence, token: int) -> None:
-        if token in seq.stop_ids:
-            seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
-            seq.detok.add(seq.output_ids[:-1])
-            return
-        if seq.detok.add(seq.output_ids):
-            seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
-        elif seq.constraint is not None and seq.constraint.is_terminated():
-            seq.finish_reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.max_context:
-            seq.finish_reason = FinishReason.LENGTH
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         seq.finish_reason, seq.error = reason, error

@@ -21,8 +21,9 @@ def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1) 
 
 
 def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None):
-    shape = (config.num_layers, config.num_kv_heads, num_slots, config.head_dim)
-    make = lambda: jnp.zeros(shape, jnp.float32, device=sharding)
+    """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache)."""
+    shape = (config.num_kv_heads, num_slots, config.head_dim)
+    make = lambda: [jnp.zeros(shape, jnp.float32, device=sharding) for _ in range(config.num_layers)]
     return make(), make()
 
 

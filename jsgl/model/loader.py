@@ -3,13 +3,14 @@
 Converted weights are cached as safetensors beside the saved tokenizer, so the second start skips
 dequantization.
 
-The params pytree (matrices stored [in, out] so the model computes ``x @ w``; layers stacked on axis 0
-so the forward scans over them)::
+The params pytree (matrices stored [in, out] so the model computes ``x @ w``; one dict per layer,
+not stacked: XLA CPU copies a layer's slice out of a stacked array before its matmul, which halved
+decode speed)::
 
     embed [V, D], final_norm [D], lm_head [D, V] (absent when tied to embed)
-    layers: attn_norm [L, D], wq [L, D, Hq*hd], wk/wv [L, D, Hkv*hd], wo [L, Hq*hd, D],
-            (bq [L, Hq*hd], bk/bv [L, Hkv*hd] with attention bias), mlp_norm [L, D],
-            w_gate/w_up [L, D, I], w_down [L, I, D]
+    layers: list of L dicts: attn_norm [D], wq [D, Hq*hd], wk/wv [D, Hkv*hd], wo [Hq*hd, D],
+            (bq [Hq*hd], bk/bv [Hkv*hd] with attention bias), mlp_norm [D],
+            w_gate/w_up [D, I], w_down [I, D]
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def load_model(model: str | os.PathLike) -> tuple[ModelConfig, Params]:
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         return config, _load_hf(path, config)
     cache = model_cache_dir(path)
-    config_file, weights_file = cache / "config.json", cache / "params.safetensors"
+    config_file, weights_file = cache / "config.json", cache / "params.v2.safetensors"
+    (cache / "params.safetensors").unlink(missing_ok=True)  # v1: layers stacked
     if config_file.exists() and weights_file.exists():
         config = ModelConfig.from_hf(json.loads(config_file.read_text()))
         return config, _unflatten(load_file(weights_file))
@@ -71,34 +73,34 @@ def load_model(model: str | os.PathLike) -> tuple[ModelConfig, Params]:
 
 def _flatten(params: Params) -> dict[str, np.ndarray]:
     flat = {k: v for k, v in params.items() if k != "layers"}
-    flat.update({f"layers.{k}": v for k, v in params["layers"].items()})
+    for i, layer in enumerate(params["layers"]):
+        flat.update({f"layers.{i}.{k}": v for k, v in layer.items()})
     return flat
 
 
 def _unflatten(flat: dict[str, np.ndarray]) -> Params:
-    params: Params = {"layers": {}}
+    params: Params = {}
+    layers: dict[int, dict[str, np.ndarray]] = {}
     for key, value in flat.items():
         if key.startswith("layers."):
-            params["layers"][key.removeprefix("layers.")] = value
+            _, index, name = key.split(".", 2)
+            layers.setdefault(int(index), {})[name] = value
         else:
             params[key] = value
+    params["layers"] = [layers[i] for i in range(len(layers))]
     return params
 
 
-def _stack_layers(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    out = {}
-    for name in per_layer[0]:
-        arr = np.stack([layer[name] for layer in per_layer])
-        # Matrices [out, in] -> [in, out]; norms and biases stay 1-D per layer.
-        out[name] = np.ascontiguousarray(arr.transpose(0, 2, 1)) if arr.ndim == 3 else arr
-    return out
+def _to_in_out(layer: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Matrices [out, in] -> [in, out]; norms and biases stay 1-D."""
+    return {name: np.ascontiguousarray(w.T) if w.ndim == 2 else w for name, w in layer.items()}
 
 
 def _finish(tensors: dict[str, np.ndarray], per_layer: list[dict[str, np.ndarray]], tied: bool) -> Params:
     params: Params = {"embed": tensors["embed"], "final_norm": tensors["final_norm"]}
     if not tied:
         params["lm_head"] = np.ascontiguousarray(tensors["lm_head"].T)
-    params["layers"] = _stack_layers(per_layer)
+    params["layers"] = [_to_in_out(layer) for layer in per_layer]
     return params
 
 

@@ -11,7 +11,7 @@ Megatron-style scheme over ``tp`` devices:
   its own heads / MLP columns from the replicated residual stream;
 * row-parallel ``wo, w_down``: input dim sharded; the partial sums are all-reduced by XLA;
 * vocab-parallel ``embed [V, D]`` (tied: it is also the lm head) and ``lm_head [D, V]``; norms replicated;
-* KV pool ``[L, Hkv, N, hd]`` sharded over its KV-head axis: a shard stores only its heads' K/V.
+* KV pools (per layer ``[Hkv, N, hd]``) sharded over their KV-head axis: a shard stores only its heads' K/V.
 
 **Head layout.** Attention needs every shard to hold whole GQA groups (a KV head together with the
 query heads reading it) and the same number of heads. When ``tp`` does not divide the heads (SmolLM2:
@@ -50,9 +50,9 @@ from jsgl.model.config import ModelConfig
 Params = dict[str, Any]
 AXIS = "tp"
 
-_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [L, in, out]: shard out
-_ROW = ("wo", "w_down")  # [L, in, out]: shard in
-_BIAS = ("bq", "bk", "bv")  # [L, out]: shard out, like their matrices
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [in, out]: shard out
+_ROW = ("wo", "w_down")  # [in, out]: shard in
+_BIAS = ("bq", "bk", "bv")  # [out]: shard out, like their matrices
 
 
 def make_mesh(tp: int, devices: list[jax.Device] | None = None) -> Mesh:
@@ -161,18 +161,23 @@ class TensorParallel:
         """Host-side: reorder/zero-pad heads and the MLP width to the layout (numpy in, numpy out)."""
         hd, inter = original.head_dim, self.config.intermediate_size
         lay = self.layout
-        layers = {name: np.asarray(w) for name, w in params["layers"].items()}
-        if not lay.is_identity:
-            for name, heads in (("wq", lay.q_heads), ("wk", lay.kv_heads), ("wv", lay.kv_heads)):
-                layers[name] = _take_heads(layers[name], heads, 2, hd)
-            for name, heads in (("bq", lay.q_heads), ("bk", lay.kv_heads), ("bv", lay.kv_heads)):
-                if name in layers:
-                    layers[name] = _take_heads(layers[name], heads, 1, hd)
-            layers["wo"] = _take_heads(layers["wo"], lay.q_heads, 1, hd)
-        layers["w_gate"] = _pad_axis(layers["w_gate"], 2, inter)
-        layers["w_up"] = _pad_axis(layers["w_up"], 2, inter)
-        layers["w_down"] = _pad_axis(layers["w_down"], 1, inter)
-        return {**{k: v for k, v in params.items() if k != "layers"}, "layers": layers}
+
+        def pad_layer(layer: Params) -> Params:
+            layer = {name: np.asarray(w) for name, w in layer.items()}
+            if not lay.is_identity:
+                for name, heads in (("wq", lay.q_heads), ("wk", lay.kv_heads), ("wv", lay.kv_heads)):
+                    layer[name] = _take_heads(layer[name], heads, 1, hd)
+                for name, heads in (("bq", lay.q_heads), ("bk", lay.kv_heads), ("bv", lay.kv_heads)):
+                    if name in layer:
+                        layer[name] = _take_heads(layer[name], heads, 0, hd)
+                layer["wo"] = _take_heads(layer["wo"], lay.q_heads, 0, hd)
+            layer["w_gate"] = _pad_axis(layer["w_gate"], 1, inter)
+            layer["w_up"] = _pad_axis(layer["w_up"], 1, inter)
+            layer["w_down"] = _pad_axis(layer["w_down"], 0, inter)
+            return layer
+
+        return {**{k: v for k, v in params.items() if k != "layers"},
+                "layers": [pad_layer(layer) for layer in params["layers"]]}
 
     def param_specs(self, params: Params) -> Params:
         """PartitionSpec of every leaf of a (padded) params pytree."""
@@ -188,16 +193,16 @@ class TensorParallel:
         if "lm_head" in params:
             specs["lm_head"] = P(None, AXIS) if vocab % tp == 0 else P()
         layer_specs = {}
-        for name in params["layers"]:
+        for name in params["layers"][0]:
             if name in _COLUMN:
-                layer_specs[name] = P(None, None, AXIS)
-            elif name in _ROW:
-                layer_specs[name] = P(None, AXIS, None)
-            elif name in _BIAS:
                 layer_specs[name] = P(None, AXIS)
+            elif name in _ROW:
+                layer_specs[name] = P(AXIS, None)
+            elif name in _BIAS:
+                layer_specs[name] = P(AXIS)
             else:  # norms
                 layer_specs[name] = P()
-        specs["layers"] = layer_specs
+        specs["layers"] = [layer_specs] * len(params["layers"])
         return specs
 
     def shard_params(self, params: Params, original: ModelConfig) -> Params:
@@ -210,8 +215,8 @@ class TensorParallel:
     # ------------------------------------------------------------------------------------ KV pool
     @property
     def kv_sharding(self) -> NamedSharding:
-        """Pools [L, Hkv', N, hd] split over KV heads: each device stores its own heads' K/V."""
-        return NamedSharding(self.mesh, P(None, AXIS, None, None))
+        """Per-layer pools [Hkv', N, hd] split over KV heads: each device stores its own heads' K/V."""
+        return NamedSharding(self.mesh, P(AXIS, None, None))
 
     # ---------------------------------------------------------------------------------- attention
     def shard_attention(self, attention: AttentionFn) -> AttentionFn:

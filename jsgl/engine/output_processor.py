@@ -1,0 +1,114 @@
+"""Between the scheduler's batch and the model runner: build each request's share of a step, and fold
+the step's sampled tokens back into request state (logprobs, FSM, stop checks, jump-forward).
+
+Runs on the engine thread only. It finishes requests by setting ``finish_reason``; releasing their KV
+and waking callers stays with the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from jsgl.engine.constrained import ConstraintManager
+from jsgl.engine.model_runner import ForwardItem, StepOutput
+from jsgl.engine.request import FinishReason
+from jsgl.engine.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, constraints: ConstraintManager, vocab_size: int, max_context: int):
+        self.constraints = constraints
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+
+    # ------------------------------------------------------------------------------- step inputs
+    def forward_item(self, seq: Sequence, chunk: int, samples: bool) -> ForwardItem:
+        """The next ``chunk`` uncomputed tokens of ``seq``; with ``samples``, how to sample after them."""
+        tokens = seq.token_ids
+        start = seq.num_computed
+        p = seq.params
+        item = ForwardItem(
+            token_ids=np.asarray(tokens[start: start + chunk], np.int32), start_pos=start,
+            slots=seq.slots, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
+            top_k=p.top_k, min_p=p.min_p, seed=seq.seed, step=len(seq.output_ids))
+        if seq.wants_prompt_logprobs:
+            nxt = tokens[start + 1: start + chunk + 1]
+            item.target_ids = np.asarray(nxt + [0] * (chunk - len(nxt)), np.int32)
+        if samples:
+            item.logit_bias = self._logit_bias(seq)
+            if seq.constraint is not None:
+                t0 = time.perf_counter()
+                item.bitmask = seq.constraint.allowed_token_bitmask()
+                self.constraints.mask_time_s += time.perf_counter() - t0
+        return item
+
+    def _logit_bias(self, seq: Sequence) -> np.ndarray | None:
+        p = seq.params
+        if not (p.frequency_penalty or p.presence_penalty) or not seq.output_ids:
+            return None
+        counts = np.bincount(np.asarray(seq.output_ids), minlength=self.vocab_size)
+        return (-p.frequency_penalty * counts - p.presence_penalty * (counts > 0)).astype(np.float32)
+
+    # ------------------------------------------------------------------------------ step outputs
+    def absorb(self, seq: Sequence, chunk: int, samples: bool, out: StepOutput, i: int) -> bool:
+        """Fold row ``i`` of a step into ``seq``; True when the caller should publish (a token or a finish)."""
+        start = seq.num_computed
+        if out.prompt_logprobs is not None and seq.wants_prompt_logprobs:
+            self._collect_prompt_logprobs(seq, start, chunk, out, i)
+        seq.num_computed += chunk
+        if seq.finished or not samples:
+            return False
+        if len(seq.output_ids) >= seq.max_new_tokens:  # prefill-only request (max_new_tokens == 0)
+            seq.finish_reason = FinishReason.LENGTH
+            return True
+        token = int(out.tokens[i])
+        seq.output_ids.append(token)
+        if seq.params.return_logprob:
+            seq.output_logprobs.append(float(out.logprobs[i]))
+            if out.top_logprobs is not None and seq.params.top_logprobs_num:
+                k = seq.params.top_logprobs_num
+                vals, ids = out.top_logprobs
+                seq.output_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[i][:k], ids[i][:k])])
+        if seq.constraint is not None and token not in seq.stop_ids:
+            seq.constraint.advance(token)
+        self._check_finish(seq, token)
+        if not seq.finished and seq.constraint is not None:
+            self.constraints.maybe_jump(seq, self.max_context)
+            if seq.detok.matched_stop is not None:
+                seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
+        return True
+
+    def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
+        """Logprob of prompt token j comes from position j-1; keep those with j >= logprob_start_len."""
+        p = seq.params
+        if not seq.input_logprobs and p.logprob_start_len == 0:
+            seq.input_logprobs.append(None)
+            seq.input_top_logprobs.append(None)
+        first = max(p.logprob_start_len, 1)
+        values = out.prompt_logprobs[i]
+        for off in range(chunk):
+            j = start + off + 1  # the prompt token this position predicts
+            if j < first or j >= len(seq.prompt_ids) or j - p.logprob_start_len < len(seq.input_logprobs):
+                continue
+            seq.input_logprobs.append(float(values[off]))
+            if out.prompt_top_logprobs is not None and p.top_logprobs_num:
+                vals, ids = out.prompt_top_logprobs[i]
+                k = p.top_logprobs_num
+                seq.input_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[off][:k], ids[off][:k])])
+            else:
+                seq.input_top_logprobs.append(None)
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        if token in seq.stop_ids:
+            seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
+            seq.detok.add(seq.output_ids[:-1])
+            return
+        if seq.detok.add(seq.output_ids):
+            seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
+        elif seq.constraint is not None and seq.constraint.is_terminated():
+            seq.finish_reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.max_new_tokens or seq.num_tokens >= self.max_context:
+            seq.finish_reason = FinishReason.LENGTH
