@@ -26,10 +26,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(var + eps) * weight
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, 1, hd/2] of every new token's angles, computed once for all layers."""
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on [T, H, hd] (HF layout; the GGUF loader undoes llama.cpp's interleaving)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -37,7 +41,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
 def _layer(
     cfg: ModelConfig,
     attention: AttentionFn,
-    inv_freq: jax.Array,
+    rope_cos_sin: tuple[jax.Array, jax.Array],
     write_slots: jax.Array,
     meta: AttentionMetadata,
     h: jax.Array,
@@ -50,8 +54,8 @@ def _layer(
     q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
     if "bq" in layer:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), meta.positions, inv_freq)
-    k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), meta.positions, inv_freq)
+    q = rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
+    k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope_cos_sin)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
     k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
@@ -73,13 +77,13 @@ def forward_hidden(
     attention: AttentionFn,
 ) -> tuple[jax.Array, KVCache]:
     """Final-norm hidden states [T, D] of the new tokens, and the KV pools with their K/V written."""
-    inv_freq = jnp.asarray(cfg.rope_inv_freq())
+    rope_cos_sin = rope_tables(meta.positions, jnp.asarray(cfg.rope_inv_freq()))
     h = params["embed"][token_ids]
     k_pools, v_pools = list(kv[0]), list(kv[1])
     # A Python loop, unrolled in the one jitted step: a lax.scan over stacked layers made XLA CPU copy
     # each layer's weights out of the stack before the matmuls (decode ran ~1.8x slower).
     for i, layer in enumerate(params["layers"]):
-        h, k_pools[i], v_pools[i] = _layer(cfg, attention, inv_freq, write_slots, meta, h, layer,
+        h, k_pools[i], v_pools[i] = _layer(cfg, attention, rope_cos_sin, write_slots, meta, h, layer,
                                            k_pools[i], v_pools[i])
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), (k_pools, v_pools)
 
