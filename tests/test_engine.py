@@ -177,10 +177,12 @@ def test_unknown_model_path():
 @pytest.mark.parametrize("prefix_cache", ["radix", "none"])
 def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
     expected = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
-    paged = Engine(model="smollm2-135m", num_kv_slots=1024, page_size=4, prefix_cache=prefix_cache)
+    paged = Engine(model="smollm2-135m", num_kv_slots=192, page_size=4, prefix_cache=prefix_cache)
     try:
         for _ in range(2):  # the second round reuses whole cached pages
             assert [o.token_ids for o in paged.generate(PROMPTS, GREEDY)] == expected
+        if prefix_cache == "radix":
+            assert paged.stats()["cached_tokens"] > 0
         wait_idle(paged)
         assert paged.flush_cache()
         assert paged.allocator.num_free() == paged.allocator.capacity
@@ -190,7 +192,7 @@ def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
 
 def test_memory_pressure_retracts_and_completes():
     """A pool too small for every request at once still finishes all of them, correctly."""
-    small = Engine(model="smollm2-135m", num_kv_slots=160, prefix_cache="none", max_running_requests=8)
+    small = Engine(model="smollm2-135m", num_kv_slots=192, prefix_cache="none", max_running_requests=8)
     try:
         params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
         alone = [small.generate(p, params).token_ids for p in PROMPTS[:4]]
