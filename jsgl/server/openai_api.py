@@ -94,9 +94,10 @@ async def run_choices(state: ServerState, prompts: list[Any], params: dict[str, 
 
 
 ChunkMaker = Callable[[int, str, "str | None", Any], dict[str, Any]]
+LogprobsOf = Callable[[GenerateOutput], Any]
 
 
-async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, final_extra: Callable[[int, GenerateOutput], Any],
+async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, logprobs_of: LogprobsOf,
                          usage_chunk: Callable[[list[GenerateOutput]], dict[str, Any]] | None) -> AsyncIterator[str]:
     """The SSE body shared by both endpoints: one event per text delta; the final chunk of a choice
     carries its finish_reason (and logprobs); then an optional usage event and [DONE]."""
@@ -108,12 +109,44 @@ async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, final_extra
                 yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
                                      "code": 500}})
                 continue
-            yield sse(make_chunk(i, chunk.text_delta, openai_finish_reason(out), final_extra(i, out)))
+            yield sse(make_chunk(i, chunk.text_delta, openai_finish_reason(out), logprobs_of(out)))
         elif chunk.text_delta:
             yield sse(make_chunk(i, chunk.text_delta, None, None))
     if usage_chunk is not None and all(o is not None for o in outs):
         yield sse(usage_chunk(outs))
     yield SSE_DONE
+
+
+async def respond_with_choices(
+    request: Request, req: OpenAIBase, group: HandleGroup, *, cid: str, model: str, objects: tuple[str, str],
+    chunk_fields: Callable[[int, str, str | None], dict[str, Any]],
+    choice_fields: Callable[[int, GenerateOutput], dict[str, Any]], logprobs_of: LogprobsOf,
+) -> Any:
+    """The response both endpoints build around their choices: an SSE stream of chunks (``objects[0]``)
+    or one body (``objects[1]``). ``chunk_fields`` / ``choice_fields`` give a choice's own fields
+    (completions: ``text``; chat: ``delta`` / ``message``)."""
+    created = int(time.time())
+
+    def envelope(obj: str) -> dict[str, Any]:
+        return {"id": cid, "object": obj, "created": created, "model": model}
+
+    if req.stream:
+        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
+            choice = {"index": i, **chunk_fields(i, text, finish), "logprobs": logprobs, "finish_reason": finish}
+            return {**envelope(objects[0]), "choices": [choice]}
+
+        usage_chunk = None
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage_chunk = lambda outs: {**envelope(objects[0]), "choices": [], "usage": usage(outs, req.n)}  # noqa: E731
+        return sse_response(stream_guard(group, lambda: stream_choices(group, make_chunk, logprobs_of, usage_chunk)))
+    try:
+        outs = await group.outputs(request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    raise_if_failed(outs)
+    choices = [{"index": i, **choice_fields(i, out), "logprobs": logprobs_of(out),
+                "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
+    return {**envelope(objects[1]), "choices": choices, "usage": usage(outs, req.n)}
 
 
 # --------------------------------------------------------------------------------------------- endpoints
@@ -168,7 +201,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     params = sampling_params(req, max_tokens)
     if req.logprobs is not None:
         params.update(return_logprob=True, top_logprobs_num=req.logprobs, logprob_start_len=0 if req.echo else -1)
-    cid, created = new_id("cmpl"), int(time.time())
+    cid = new_id("cmpl")
     group = await run_choices(state, prompts, params, req.n, cid)
     tok = state.engine.tokenizer
     echo_text = [p if isinstance(p, str) else tok.decode(p) for p in prompts] if req.echo else None
@@ -179,30 +212,15 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     def head(i: int) -> str:
         return echo_text[i // req.n] if echo_text else ""
 
-    if req.stream:
-        started: set[int] = set()
+    started: set[int] = set()
 
-        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
-            if i not in started:  # the echoed prompt goes out with the choice's first chunk
-                started.add(i)
-                text = head(i) + text
-            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    def chunk_fields(i: int, text: str, finish: str | None) -> dict[str, Any]:
+        if i not in started:  # the echoed prompt goes out with the choice's first chunk
+            started.add(i)
+            text = head(i) + text
+        return {"text": text}
 
-        def usage_chunk(outs: list[GenerateOutput]) -> dict[str, Any]:
-            return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-                    "choices": [], "usage": usage(outs, req.n)}
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = lambda: stream_choices(group, make_chunk, lambda i, out: logprobs_of(out),
-                                      usage_chunk if include_usage else None)
-        return sse_response(stream_guard(group, body))
-    try:
-        outs = await group.outputs(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    raise_if_failed(outs)
-    choices = [{"index": i, "text": head(i) + out.text, "logprobs": logprobs_of(out),
-                "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
-    return {"id": cid, "object": "text_completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": usage(outs, req.n)}
+    return await respond_with_choices(
+        request, req, group, cid=cid, model=state.model_name, objects=("text_completion", "text_completion"),
+        chunk_fields=chunk_fields, choice_fields=lambda i, out: {"text": head(i) + out.text},
+        logprobs_of=logprobs_of)

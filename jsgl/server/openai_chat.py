@@ -7,24 +7,14 @@ decoding: `json_schema` -> the given schema, `json_object` -> the schema `{"type
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 
 from jsgl.engine.request import GenerateOutput
 from jsgl.server.common import APIError, ServerState, check_max_tokens, server_state
-from jsgl.server.openai_api import (
-    new_id,
-    openai_finish_reason,
-    raise_if_failed,
-    run_choices,
-    sampling_params,
-    stream_choices,
-    usage,
-)
+from jsgl.server.openai_api import new_id, respond_with_choices, run_choices, sampling_params
 from jsgl.server.protocol import ChatCompletionRequest, ChatMessage
-from jsgl.server.streaming import ClientDisconnected, sse_response, stream_guard
 
 router = APIRouter()
 
@@ -99,37 +89,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     top = req.top_logprobs or 0
     if req.logprobs:
         params.update(return_logprob=True, top_logprobs_num=top)
-    cid, created = new_id("chatcmpl"), int(time.time())
+    cid = new_id("chatcmpl")
     group = await run_choices(state, [prompt], params, req.n, cid)
 
     def logprobs_of(out: GenerateOutput) -> dict[str, Any] | None:
         return chat_logprobs(state, out, top) if req.logprobs else None
 
-    if req.stream:
-        started: set[int] = set()
+    started: set[int] = set()
 
-        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
-            delta: dict[str, Any] = {"content": text} if text or finish is None else {}
-            if i not in started:  # the role goes with a choice's first chunk, as OpenAI sends it
-                started.add(i)
-                delta = {"role": "assistant", "content": text}
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    def chunk_fields(i: int, text: str, finish: str | None) -> dict[str, Any]:
+        if i not in started:  # the role goes with a choice's first chunk, as OpenAI sends it
+            started.add(i)
+            return {"delta": {"role": "assistant", "content": text}}
+        return {"delta": {"content": text} if text or finish is None else {}}
 
-        def usage_chunk(outs: list[GenerateOutput]) -> dict[str, Any]:
-            return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name,
-                    "choices": [], "usage": usage(outs, req.n)}
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        body = lambda: stream_choices(group, make_chunk, lambda i, out: logprobs_of(out),
-                                      usage_chunk if include_usage else None)
-        return sse_response(stream_guard(group, body))
-    try:
-        outs = await group.outputs(request)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    raise_if_failed(outs)
-    choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs_of(out),
-                "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
-    return {"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": choices, "usage": usage(outs, req.n)}
+    return await respond_with_choices(
+        request, req, group, cid=cid, model=state.model_name, objects=("chat.completion.chunk", "chat.completion"),
+        chunk_fields=chunk_fields, choice_fields=lambda i, out: {"message": {"role": "assistant", "content": out.text}},
+        logprobs_of=logprobs_of)
