@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import threading
 import time
 
@@ -356,3 +357,21 @@ def test_state_can_be_extended_after_run():
     st = prog.run(backend=be)
     st += "!" + sgl.gen("b")  # runs after the program's own nodes, on the caller's thread
     assert st["a"] == "<2>" and st["b"] == "<6>" and st.text() == "ab<2>!<6>"
+
+
+def test_select_temperature_samples_by_scores():
+    """decide(): greedy at temperature 0; at temperature > 0 a softmax draw over the method's scores that
+    never picks an unscorable (empty) choice and follows the score gap."""
+    from jsgl.lang.choices import TokenLengthNormalized, decide
+
+    choices = ["yes", "no", ""]
+    cond = [[(-0.1, 1, "yes")], [(-0.9, 2, "no")], []]  # the empty choice has no tokens: NaN score
+    method = TokenLengthNormalized()
+    assert decide(choices, cond, None, 0.0, method).decision == "yes"
+    random.seed(0)
+    picks = [decide(choices, cond, None, 1.0, method) for _ in range(400)]
+    counts = {c: sum(p.decision == c for p in picks) for c in choices}
+    assert counts[""] == 0
+    expected_yes = 1 / (1 + math.exp(-0.8))  # softmax of (-0.1, -0.9)
+    assert abs(counts["yes"] / 400 - expected_yes) < 0.08
+    assert picks[0].meta_info["sampled_from_scores"][:2] == [-0.1, -0.9]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from typing import Any
 
 TokenLogprob = tuple[float | None, int, str | None]
@@ -149,3 +150,25 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
 token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()
+
+
+def decide(choices: list[str], cond: list[list[TokenLogprob]], uncond: list[list[TokenLogprob]] | None,
+           temperature: float, method: Any) -> ChoicesDecision:
+    """Apply ``method`` to the scored choices; with ``temperature > 0`` and a method that exposes
+    ``scores``, sample a choice from softmax(scores / temperature) instead of taking the argmax."""
+    kwargs = {
+        "choices": list(choices),
+        "normalized_prompt_logprobs": [mean_logprob(t) for t in cond],
+        "input_token_logprobs": cond,
+        "output_token_logprobs": [[] for _ in choices],
+        "unconditional_token_logprobs": uncond,
+    }
+    decision = method(**kwargs)
+    if temperature <= 1e-5 or not hasattr(method, "scores"):
+        return decision
+    scores = method.scores(**kwargs)
+    finite = [(-math.inf if math.isnan(x) else x) for x in scores]
+    top = max(finite)
+    weights = [math.exp((x - top) / temperature) if x > -math.inf else 0.0 for x in finite]
+    pick = random.choices(range(len(choices)), weights=weights)[0]
+    return ChoicesDecision(choices[pick], {**(decision.meta_info or {}), "sampled_from_scores": scores})

@@ -20,10 +20,9 @@ import httpx
 
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import ChatTemplate, get_chat_template_from_tokenizer
-from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, mean_logprob
+from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import GenParams
-from jsgl.lang.runtime_backend import EngineBackend
 
 if TYPE_CHECKING:
     from jsgl.lang.interpreter import StreamExecutor
@@ -190,17 +189,7 @@ class RuntimeEndpoint(BaseBackend):
             for (kind, i, _, _), body in zip(jobs, bodies, strict=True):
                 toks = [tuple(t) for t in body["meta_info"]["input_token_logprobs"]]
                 (cond if kind == "cond" else uncond)[i] = toks
-        kwargs = {
-            "choices": list(choices),
-            "normalized_prompt_logprobs": [mean_logprob(t) for t in cond],
-            "input_token_logprobs": cond,
-            "output_token_logprobs": [[] for _ in choices],
-            "unconditional_token_logprobs": uncond if want_uncond else None,
-        }
-        decision = choices_method(**kwargs)
-        if temperature > 1e-5 and hasattr(choices_method, "scores"):
-            decision = EngineBackend._sample(choices, choices_method.scores(**kwargs), temperature, decision)
-        return decision
+        return decide(choices, cond, uncond if want_uncond else None, temperature, choices_method)
 
     # Lifecycle -----------------------------------------------------------------------------------------
     def flush_cache(self) -> None:

@@ -7,14 +7,12 @@ as `backend=` or to `set_default_backend`).
 from __future__ import annotations
 
 import atexit
-import math
-import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import get_chat_template_from_tokenizer
-from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, mean_logprob
+from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import GenParams
 
@@ -138,28 +136,10 @@ class EngineBackend(BaseBackend):
             (cond if kind == "cond" else uncond)[i] = toks
             if kind == "cond":
                 cached[i] = out.cached_tokens
-        kwargs = {
-            "choices": list(choices),
-            "normalized_prompt_logprobs": [mean_logprob(t) for t in cond],
-            "input_token_logprobs": cond,
-            "output_token_logprobs": [[] for _ in choices],
-            "unconditional_token_logprobs": uncond if want_uncond else None,
-        }
-        decision = choices_method(**kwargs)
-        if temperature > 1e-5 and hasattr(choices_method, "scores"):
-            decision = self._sample(choices, choices_method.scores(**kwargs), temperature, decision)
+        decision = decide(choices, cond, uncond if want_uncond else None, temperature, choices_method)
         decision.meta_info = {**(decision.meta_info or {}), "prefix_tokens": len(prefix_ids),
                               "score_start": starts, "cached_tokens": cached}
         return decision
-
-    @staticmethod
-    def _sample(choices: list[str], scores: list[float], temperature: float,
-                greedy: ChoicesDecision) -> ChoicesDecision:
-        finite = [(-math.inf if math.isnan(x) else x) for x in scores]
-        top = max(finite)
-        weights = [math.exp((x - top) / temperature) if x > -math.inf else 0.0 for x in finite]
-        pick = random.choices(range(len(choices)), weights=weights)[0]
-        return ChoicesDecision(choices[pick], {**(greedy.meta_info or {}), "sampled_from_scores": scores})
 
     # Lifecycle -----------------------------------------------------------------------------------------
 
