@@ -1,10 +1,12 @@
 """Decode throughput: jsgl vs transformers `generate`, and jsgl's ms/step vs the memory-bandwidth floor.
 
     python experiments/bench_decode.py            # or: jsgl bench decode
-    python experiments/bench_decode.py --batch-sizes 1 16 --new-tokens 64
+    python experiments/bench_decode.py --batch-sizes 1 16 --new-tokens 64 --kernels cpu xla
 
 Everything is measured in one run on the same machine, prompts and model, and printed as ratios.
-The floor of one decode step is (bytes of weights + bytes of KV attended) / measured read bandwidth.
+jsgl runs twice: with the CPU kernels (packed-weight matmul + in-place paged decode attention,
+``jsgl.kernels.cpu``) and with XLA's dot and the native attention (the ablation).
+The floor of one decode step is (bytes of weights read + bytes of KV attended) / measured read bandwidth.
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 7) -> float:
         f(x).block_until_ready()
         times.append(time.perf_counter() - t0)
     return x.nbytes / statistics.median(times) / 1e9
+
+
+KERNELS = {"cpu": {"matmul_backend": "cpu", "attention_backend": "cpu"},
+           "xla": {"matmul_backend": "xla", "attention_backend": "native"}}
+
+
+def step_weight_bytes(params) -> int:
+    """Bytes of weights one decode step reads: all of them, except an embedding table that only serves
+    row lookups because the LM head has its own (packed) copy."""
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - params["embed"].nbytes if "lm_head" in params else total
 
 
 def bench_jsgl(engine, batch: int, new_tokens: int, repeats: int) -> dict:
@@ -100,35 +113,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=["cpu", "xla"])
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
     from jsgl.engine.engine import Engine
+    from jsgl.kernels import cpu as cpu_kernels
 
-    engine = Engine(kv_cache_gb=0.5, max_running_requests=max(args.batch_sizes))
-    cfg = engine.model_config
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
-    bandwidth = read_bandwidth_gbs()
-    print(f"model: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB float32 weights; "
-          f"measured read bandwidth {bandwidth:.1f} GB/s")
+    kernels = [k for k in args.kernels if k != "cpu" or cpu_kernels.available()]
+    if kernels != args.kernels:
+        print(f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()}): measuring {kernels} only")
+    bandwidth = read_bandwidth_gbs()  # before any engine: the kernels' helper threads must not compete
+    results: dict[str, dict[int, dict]] = {}
+    for name in kernels:
+        engine = Engine(kv_cache_gb=0.5, max_running_requests=max(args.batch_sizes), **KERNELS[name])
+        cfg, weight_bytes = engine.model_config, step_weight_bytes(engine.runner.params)
+        print(f"jsgl[{name}]: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of float32 weights read per "
+              f"step; measured read bandwidth {bandwidth:.1f} GB/s")
+        results[name] = {}
+        for batch in args.batch_sizes:
+            ours = bench_jsgl(engine, batch, args.new_tokens, args.repeats)
+            mean_ctx = ours["mean_prompt_tokens"] + args.new_tokens / 2
+            ours["floor_ms"] = 1e3 * (weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token) / (bandwidth * 1e9)
+            results[name][batch] = ours
+        engine.shutdown()
     rows = []
     for batch in args.batch_sizes:
-        ours = bench_jsgl(engine, batch, args.new_tokens, args.repeats)
-        mean_ctx = ours["mean_prompt_tokens"] + args.new_tokens / 2
-        floor_ms = 1e3 * (weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token) / (bandwidth * 1e9)
         theirs = None if args.skip_transformers else bench_transformers(batch, args.new_tokens, args.repeats)
-        rows.append({"batch": batch, **ours, "floor_ms": floor_ms, "transformers_tokens_per_s": theirs})
-    engine.shutdown()
+        rows.append({"batch": batch, "transformers_tokens_per_s": theirs,
+                     **{name: results[name][batch] for name in kernels}})
 
-    print(f"\n{'batch':>5} {'jsgl tok/s':>11} {'hf tok/s':>9} {'jsgl/hf':>8} {'ms/step':>8} {'floor ms':>9} "
+    print(f"\n{'batch':>5} {'jsgl':>5} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'ms/step':>8} {'floor ms':>9} "
           f"{'step/floor':>10}")
     for r in rows:
         hf = r["transformers_tokens_per_s"]
-        ratio = f"{r['tokens_per_s'] / hf:8.2f}" if hf else f"{'-':>8}"
-        hf_s = f"{hf:9.1f}" if hf else f"{'-':>9}"
-        print(f"{r['batch']:>5} {r['tokens_per_s']:11.1f} {hf_s} {ratio} {r['decode_ms_per_step']:8.1f} "
-              f"{r['floor_ms']:9.1f} {r['decode_ms_per_step'] / r['floor_ms']:10.2f}")
+        for name in kernels:
+            ours = r[name]
+            ratio = f"{ours['tokens_per_s'] / hf:8.2f}" if hf else f"{'-':>8}"
+            hf_s = f"{hf:9.1f}" if hf else f"{'-':>9}"
+            print(f"{r['batch']:>5} {name:>5} {ours['tokens_per_s']:8.1f} {hf_s} {ratio} "
+                  f"{ours['decode_ms_per_step']:8.1f} {ours['floor_ms']:9.1f} "
+                  f"{ours['decode_ms_per_step'] / ours['floor_ms']:10.2f}")
+        if len(kernels) == 2:
+            a, b = (r[name]["tokens_per_s"] for name in kernels)
+            print(f"{'':>5} {kernels[0]}/{kernels[1]} tokens/s: {a / b:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth_gbs": bandwidth, "rows": rows}, f, indent=2)

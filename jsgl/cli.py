@@ -15,7 +15,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     choices = {
         "prefix_cache": ["radix", "flat", "none"],
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
-        "attention_backend": ["auto", "native", "pallas"],
+        "attention_backend": ["auto", "native", "pallas", "cpu"],
+        "matmul_backend": ["auto", "xla", "cpu"],
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")

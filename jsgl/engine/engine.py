@@ -60,7 +60,8 @@ class Engine:
         # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
         self.runner = ModelRunner(self.model_config,
                                   np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,
-                                  attention_backend=cfg.attention_backend, max_context=self.max_context,
+                                  attention_backend=cfg.attention_backend, matmul_backend=cfg.matmul_backend,
+                                  max_context=self.max_context,
                                   tp=cfg.tp)
         del np_params
         self.prefix_cache = self._make_prefix_cache()

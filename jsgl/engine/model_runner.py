@@ -18,9 +18,10 @@ import numpy as np
 
 from jsgl.engine.kv_pool import allocate_pool
 from jsgl.engine.sampler import SamplingInputs, sample
-from jsgl.kernels.attention import AttentionMetadata, get_attention_backend
+from jsgl.kernels import cpu as cpu_kernels
+from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, resolve_attention_backend
 from jsgl.model.config import ModelConfig
-from jsgl.model.llama import forward_hidden, lm_logits
+from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
 from jsgl.model.registry import cache_dir
 from jsgl.model.sharding import TensorParallel
 
@@ -86,10 +87,15 @@ def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sa
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
-                 attention_backend: str = "auto", max_context: int | None = None,
-                 kv_sharding: Any | None = None, tp: int = 1):
+                 attention_backend: str = "auto", matmul_backend: str = "auto",
+                 max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1):
         self.config = config
-        self.attention_backend = attention_backend
+        # Under tensor parallelism attention and matmuls stay XLA's (it partitions them by the shardings).
+        self.attention_backend = "native" if tp > 1 and attention_backend == "auto" else \
+            resolve_attention_backend(attention_backend)
+        self.matmul_backend = cpu_kernels.resolve_matmul_backend(matmul_backend, tp)
+        if self.attention_backend == "cpu" and not cpu_kernels.available():
+            raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
         self.max_context = max_context or config.max_position_embeddings
         self.num_slots = num_slots
         # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed
@@ -99,11 +105,11 @@ class ModelRunner:
         if self.tp:
             params, kv_sharding = self.tp.shard_params(params, config), self.tp.kv_sharding
         self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding)
-        self.params = params
+        self.params = with_packed_weights(params) if self.matmul_backend == "cpu" else params
         self.compiles = 0
         self._signatures: set[tuple] = set()
         self._step = jax.jit(
-            functools.partial(_step, config=self.forward_config, attention_backend=attention_backend,
+            functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
                               tp=self.tp),
             static_argnames=("prompt_top_k",), donate_argnums=(1,),
         )

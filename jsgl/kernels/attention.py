@@ -124,11 +124,23 @@ def register_attention_backend(name: str, fn: AttentionFn) -> None:
     _BACKENDS[name] = fn
 
 
+def resolve_attention_backend(name: str) -> str:
+    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native."""
+    if name != "auto":
+        return name
+    if jax.default_backend() == "gpu":
+        return "pallas"
+    from jsgl.kernels import cpu
+
+    return "cpu" if jax.default_backend() == "cpu" and cpu.available() else "native"
+
+
 def get_attention_backend(name: str) -> AttentionFn:
-    if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" and "pallas" in _BACKENDS else "native"
+    name = resolve_attention_backend(name)
     if name == "pallas" and "pallas" not in _BACKENDS:
         import jsgl.kernels.pallas_attention  # noqa: F401  (registers itself)
+    if name == "cpu" and "cpu" not in _BACKENDS:
+        import jsgl.kernels.cpu  # noqa: F401  (registers itself)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)} or 'auto'")
     return _BACKENDS[name]

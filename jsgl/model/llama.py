@@ -11,14 +11,44 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jsgl.kernels.attention import AttentionFn, AttentionMetadata
+from jsgl.kernels.cpu import PackedWeight, pack_weight, packed_matmul
 from jsgl.model.config import ModelConfig
 
 Params = dict[str, Any]
 # Per-layer K and V pools, each [num_kv_heads, num_slots, head_dim]: separate buffers, like the weights,
 # so every layer's scatter updates its own donated buffer in place and no layer slice is ever copied.
 KVCache = tuple[list[jax.Array], list[jax.Array]]
+# A layer's matmul weights ([in, out] arrays), grouped by the input they multiply. Packed for the CPU kernel
+# (with_packed_weights), each group becomes one PackedWeight named "wq+wk+wv" etc.: one call instead of three.
+PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
+
+
+def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+
+
+def project(x: jax.Array, layer: Params, names: tuple[str, ...]) -> list[jax.Array]:
+    """``x @ layer[name]`` for each of ``names`` (a group of PROJECTIONS), fused when packed."""
+    packed = layer.get("+".join(names))
+    if not isinstance(packed, PackedWeight):
+        return [x @ layer[name] for name in names]
+    return jnp.split(packed_matmul(x, packed), np.cumsum(packed.splits)[:-1].tolist(), axis=-1)
+
+
+def with_packed_weights(params: Params) -> Params:
+    """The same params with each layer's PROJECTIONS packed (and fused) for the CPU kernel, and the LM head
+    packed (for a tied model, a packed copy of the embedding's transpose; the embedding stays for lookup)."""
+    layers = []
+    for layer in params["layers"]:
+        packed = {key: w for key, w in layer.items() if not any(key in group for group in PROJECTIONS)}
+        for group in PROJECTIONS:
+            packed["+".join(group)] = pack_weight([layer[name] for name in group])
+        layers.append(packed)
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return {**params, "layers": layers, "lm_head": pack_weight([head])}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -51,7 +81,7 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     num_tokens = h.shape[0]
     x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = x @ layer["wq"], x @ layer["wk"], x @ layer["wv"]
+    q, k, v = project(x, layer, ("wq", "wk", "wv"))
     if "bq" in layer:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
@@ -61,9 +91,10 @@ def _layer(
     k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
     v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
     attn = attention(q, k_pool, v_pool, meta, cfg.head_dim**-0.5)
-    h = h + attn.reshape(num_tokens, -1) @ layer["wo"]
+    h = h + project(attn.reshape(num_tokens, -1), layer, ("wo",))[0]
     x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-    h = h + (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+    gate, up = project(x, layer, ("w_gate", "w_up"))
+    h = h + project(jax.nn.silu(gate) * up, layer, ("w_down",))[0]
     return h, k_pool, v_pool
 
 
@@ -91,5 +122,5 @@ def forward_hidden(
 def lm_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """Logits [N, V] for hidden states [N, D]; tied models reuse the embedding matrix."""
     if "lm_head" in params:
-        return hidden @ params["lm_head"]
+        return linear(hidden, params["lm_head"])
     return jnp.einsum("nd,vd->nv", hidden, params["embed"])

@@ -1,0 +1,128 @@
+"""The C++ CPU kernels (jsgl.kernels.cpu) against numpy, the native attention and XLA's matmul path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsgl.kernels import cpu
+from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"CPU kernels unavailable: {cpu.unavailable_reason()}")
+
+
+# ------------------------------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33, 130])
+@pytest.mark.parametrize("k,n", [(32, 1), (77, 47), (576, 48), (64, 50), (576, 200)])
+def test_packed_matmul_matches_numpy(m, k, n):
+    # Row counts around the 8-row micro-kernel, column counts around the 48-column panel.
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    y = jax.jit(cpu.packed_matmul)(jnp.asarray(x), cpu.pack_weight([jnp.asarray(w)]))
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, atol=2e-4 * np.sqrt(k), rtol=0)
+
+
+def test_fused_projections_split_like_separate_matmuls():
+    """q/k/v packed side by side give what three separate products give, split by PackedWeight.splits."""
+    from jsgl.model.llama import project
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 96), np.float32))
+    layer = {name: jnp.asarray(rng.standard_normal((96, n), np.float32))
+             for name, n in (("wq", 96), ("wk", 32), ("wv", 32))}
+    packed = {"wq+wk+wv": cpu.pack_weight([layer["wq"], layer["wk"], layer["wv"]])}
+    assert packed["wq+wk+wv"].splits == (96, 32, 32) and packed["wq+wk+wv"].panels.shape == (4, 96, 48)
+    for got, want in zip(project(x, packed, ("wq", "wk", "wv")), project(x, layer, ("wq", "wk", "wv"))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------- decode attention
+
+
+def decode_case(seed, q_heads, kv_heads, head_dim, kv_lens, *, extra_tokens=2, spread=1.0):
+    """A decode batch over shuffled pool slots; kv_len 0 rows are padding (q_len 0)."""
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(kv_lens, np.int32)
+    batch, width = len(kv_lens), int(kv_lens.max()) + 3
+    num_slots = int(kv_lens.sum()) + 5
+    slots = rng.permutation(np.arange(1, num_slots))
+    block_table = np.zeros((batch, width), np.int32)
+    offset = 0
+    for b, n in enumerate(kv_lens):
+        block_table[b, :n] = slots[offset: offset + n]
+        offset += n
+    q_len = (kv_lens > 0).astype(np.int32)
+    q_start = np.cumsum(q_len) - q_len
+    meta = AttentionMetadata(jnp.asarray(np.maximum(kv_lens - 1, 0)), jnp.asarray(q_start.astype(np.int32)),
+                             jnp.asarray(q_len), jnp.asarray(block_table), jnp.asarray(kv_lens), 1)
+    pool = lambda: jnp.asarray(rng.standard_normal((kv_heads, num_slots, head_dim), np.float32))
+    q = jnp.asarray(spread * rng.standard_normal((int(q_len.sum()) + extra_tokens, q_heads, head_dim), np.float32))
+    return q, pool(), pool(), meta
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (3, 3, 16), (7, 1, 32), (16, 1, 128)])
+def test_decode_attention_matches_native(q_heads, kv_heads, head_dim):
+    # Lengths 1, around the 16-key score blocks, long; a padding row mid-batch; padding tokens at the end.
+    q, k, v, meta = decode_case(q_heads + head_dim, q_heads, kv_heads, head_dim, [1, 5, 16, 17, 0, 37, 300])
+    scale = head_dim**-0.5
+    got = jax.jit(cpu.cpu_paged_attention, static_argnums=4)(q, k, v, meta, scale)
+    want = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    assert not np.asarray(got)[-2:].any()  # tokens no request owns stay zero
+
+
+def test_decode_attention_softmax_is_stable_for_large_scores():
+    q, k, v, meta = decode_case(7, 9, 3, 64, [40, 3], spread=60.0)  # scores in the thousands
+    got = jax.jit(cpu.cpu_paged_attention, static_argnums=4)(q, k, v, meta, 0.125)
+    want = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, 0.125)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+
+
+def test_extend_steps_fall_back_to_native():
+    q, k, v, meta = decode_case(3, 9, 3, 64, [6, 9])
+    meta = AttentionMetadata(meta.positions, meta.q_start, meta.q_len, meta.block_table, meta.kv_lens, 4)
+    np.testing.assert_array_equal(np.asarray(cpu.cpu_paged_attention(q, k, v, meta, 0.125)),
+                                  np.asarray(native_paged_attention(q, k, v, meta, 0.125)))
+
+
+# ------------------------------------------------------------------------------------------- in the model
+
+
+def test_backend_resolution():
+    assert cpu.resolve_matmul_backend("auto") == ("cpu" if jax.default_backend() == "cpu" else "xla")
+    assert cpu.resolve_matmul_backend("auto", tp=2) == "xla"
+    with pytest.raises(ValueError, match="does not shard"):
+        cpu.resolve_matmul_backend("cpu", tp=2)
+    with pytest.raises(ValueError, match="unknown matmul backend"):
+        cpu.resolve_matmul_backend("mkl")
+
+
+def test_packed_model_matches_xla_model(tokenizer):
+    """The real model's logits with packed weights + the C++ decode attention equal XLA's dot + native
+    attention, for a prefill and for the decode step after it."""
+    from jsgl.engine.model_runner import ForwardItem, ModelRunner
+    from jsgl.model.loader import load_model
+
+    cfg, params = load_model("smollm2-135m")
+    params = jax.tree.map(jnp.asarray, params)
+    runners = {name: ModelRunner(cfg, params, 192, matmul_backend=name, attention_backend=attn)
+               for name, attn in (("cpu", "cpu"), ("xla", "native"))}
+    assert "lm_head" in runners["cpu"].params and "wq+wk+wv" in runners["cpu"].params["layers"][0]
+    ids = np.asarray(tokenizer("The capital of France is").input_ids, np.int32)
+    slots = np.arange(1, len(ids) + 2, dtype=np.int32)
+    out = {}
+    for name, runner in runners.items():
+        prefill = runner.run([ForwardItem(ids, 0, slots, target_ids=np.append(ids[1:], 0))], prompt_top_k=0)
+        decode = runner.run([ForwardItem(prefill.tokens[:1], len(ids), slots)], top_logprobs=5)
+        out[name] = (prefill, decode)
+    (cpu_prefill, cpu_decode), (xla_prefill, xla_decode) = out["cpu"], out["xla"]
+    np.testing.assert_allclose(cpu_prefill.prompt_logprobs[0][:-1], xla_prefill.prompt_logprobs[0][:-1], atol=1e-4)
+    assert cpu_prefill.tokens[0] == xla_prefill.tokens[0] and cpu_decode.tokens[0] == xla_decode.tokens[0]
+    np.testing.assert_array_equal(cpu_decode.top_logprobs[1], xla_decode.top_logprobs[1])
+    np.testing.assert_allclose(cpu_decode.top_logprobs[0], xla_decode.top_logprobs[0], atol=1e-4)
