@@ -16,7 +16,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "prefix_cache": ["radix", "flat", "none"],
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
         "attention_backend": ["auto", "native", "pallas", "cpu"],
-        "matmul_backend": ["auto", "xla", "cpu"],
+        "matmul_backend": ["auto", "xla", "packed", "gguf"],
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")

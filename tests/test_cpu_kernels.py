@@ -95,25 +95,62 @@ def test_extend_steps_fall_back_to_native():
 
 
 def test_backend_resolution():
-    assert cpu.resolve_matmul_backend("auto") == ("cpu" if jax.default_backend() == "cpu" else "xla")
+    assert cpu.resolve_matmul_backend("auto") == ("gguf" if jax.default_backend() == "cpu" else "xla")
     assert cpu.resolve_matmul_backend("auto", tp=2) == "xla"
     with pytest.raises(ValueError, match="does not shard"):
-        cpu.resolve_matmul_backend("cpu", tp=2)
+        cpu.resolve_matmul_backend("packed", tp=2)
     with pytest.raises(ValueError, match="unknown matmul backend"):
         cpu.resolve_matmul_backend("mkl")
 
 
-def test_packed_model_matches_xla_model(tokenizer):
-    """The real model's logits with packed weights + the C++ decode attention equal XLA's dot + native
-    attention, for a prefill and for the decode step after it."""
-    from jsgl.engine.model_runner import ForwardItem, ModelRunner
-    from jsgl.model.loader import load_model
+@pytest.fixture(scope="module")
+def smollm():
+    from jsgl.model.loader import load_gguf_blocks, load_model
 
     cfg, params = load_model("smollm2-135m")
+    return cfg, params, load_gguf_blocks("smollm2-135m")
+
+
+def test_gguf_blocks_are_the_dequantized_weights(smollm):
+    """Q4_1 layer blocks (Q/K rows unpermuted) and the Q8_0 embedding rebuild the loader's float32 weights."""
+    _, params, (layers, head) = smollm
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        b = layers[7][name]
+        assert b.kind == "q4_1" and b.q.max() <= 15
+        w = np.repeat(b.d, 32, axis=1) * b.q + np.repeat(b.m, 32, axis=1)
+        np.testing.assert_array_equal(w.T, params["layers"][7][name])
+    assert head.kind == "q8_0" and head.m is None
+    np.testing.assert_array_equal(np.repeat(head.d, 32, axis=1) * head.q, params["embed"])
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+def test_quant_matmul_equals_float32_kernel_bitwise(smollm, m):
+    """The kernel over GGUF blocks dequantizes exactly and sums in the float32 kernel's order."""
+    _, params, (layers, head) = smollm
+    rng = np.random.default_rng(m)
+    for names, k in ((("wq", "wk", "wv"), 576), (("w_down",), 1536)):
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+        quant = cpu.pack_quant([layers[3][name] for name in names])
+        dense = cpu.pack_weight([jnp.asarray(params["layers"][3][name]) for name in names])
+        assert quant.kind == "q4_1" and quant.splits == dense.splits
+        np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x, quant)), np.asarray(cpu.packed_matmul(x, dense)))
+    x = jnp.asarray(rng.standard_normal((m, 576), np.float32))
+    np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x, cpu.pack_quant([head]))),
+                                  np.asarray(cpu.packed_matmul(x, cpu.pack_weight([jnp.asarray(params["embed"]).T]))))
+
+
+def test_kernel_backends_match_xla_in_the_model(smollm, tokenizer):
+    """The real model's prompt logprobs and sampled tokens with the kernels (GGUF blocks or float32 panels,
+    and the C++ decode attention) equal XLA's dot + native attention, over a prefill and a decode step."""
+    from jsgl.engine.model_runner import ForwardItem, ModelRunner
+
+    cfg, params, blocks = smollm
     params = jax.tree.map(jnp.asarray, params)
-    runners = {name: ModelRunner(cfg, params, 192, matmul_backend=name, attention_backend=attn)
-               for name, attn in (("cpu", "cpu"), ("xla", "native"))}
-    assert "lm_head" in runners["cpu"].params and "wq+wk+wv" in runners["cpu"].params["layers"][0]
+    backends = {"gguf": "cpu", "packed": "cpu", "xla": "native"}
+    runners = {name: ModelRunner(cfg, params, 192, matmul_backend=name, attention_backend=attention,
+                                 weight_blocks=blocks) for name, attention in backends.items()}
+    assert isinstance(runners["gguf"].params["layers"][0]["wq+wk+wv"], cpu.QuantWeight)
+    assert isinstance(runners["packed"].params["lm_head"], cpu.PackedWeight)
     ids = np.asarray(tokenizer("The capital of France is").input_ids, np.int32)
     slots = np.arange(1, len(ids) + 2, dtype=np.int32)
     out = {}
@@ -121,8 +158,10 @@ def test_packed_model_matches_xla_model(tokenizer):
         prefill = runner.run([ForwardItem(ids, 0, slots, target_ids=np.append(ids[1:], 0))], prompt_top_k=0)
         decode = runner.run([ForwardItem(prefill.tokens[:1], len(ids), slots)], top_logprobs=5)
         out[name] = (prefill, decode)
-    (cpu_prefill, cpu_decode), (xla_prefill, xla_decode) = out["cpu"], out["xla"]
-    np.testing.assert_allclose(cpu_prefill.prompt_logprobs[0][:-1], xla_prefill.prompt_logprobs[0][:-1], atol=1e-4)
-    assert cpu_prefill.tokens[0] == xla_prefill.tokens[0] and cpu_decode.tokens[0] == xla_decode.tokens[0]
-    np.testing.assert_array_equal(cpu_decode.top_logprobs[1], xla_decode.top_logprobs[1])
-    np.testing.assert_allclose(cpu_decode.top_logprobs[0], xla_decode.top_logprobs[0], atol=1e-4)
+    xla_prefill, xla_decode = out.pop("xla")
+    for prefill, decode in out.values():
+        np.testing.assert_allclose(prefill.prompt_logprobs[0][:-1], xla_prefill.prompt_logprobs[0][:-1], atol=1e-4)
+        assert prefill.tokens[0] == xla_prefill.tokens[0] and decode.tokens[0] == xla_decode.tokens[0]
+        np.testing.assert_array_equal(decode.top_logprobs[1], xla_decode.top_logprobs[1])
+        np.testing.assert_allclose(decode.top_logprobs[0], xla_decode.top_logprobs[0], atol=1e-4)
+    np.testing.assert_array_equal(out["gguf"][1].top_logprobs[0], out["packed"][1].top_logprobs[0])

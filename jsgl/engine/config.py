@@ -15,7 +15,7 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # new prompt tokens per extend step
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | cpu
-    matmul_backend: str = "auto"  # auto | xla | cpu (the packed-weight kernel of jsgl.kernels.cpu)
+    matmul_backend: str = "auto"  # auto | xla | packed | gguf (kernels of jsgl.kernels.cpu; gguf: Q4_1/Q8_0 blocks)
     attention_budget_gb: float = 0.5  # bound on an extend step's padded attention scores
     prefix_cache: str = "radix"  # radix | flat | none
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random

@@ -34,7 +34,8 @@ from jsgl.engine.request import (
 )
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
-from jsgl.model.loader import load_model
+from jsgl.kernels import cpu as cpu_kernels
+from jsgl.model.loader import load_gguf_blocks, load_model
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
 from jsgl.radix.flat_cache import FlatCache
 from jsgl.radix.metrics import DistinctPrefixCounter
@@ -57,10 +58,12 @@ class Engine:
         num_slots = cfg.num_kv_slots or slots_for_memory(self.model_config, cfg.kv_cache_gb, cfg.page_size)
         num_slots -= num_slots % cfg.page_size
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
+        matmul = cpu_kernels.resolve_matmul_backend(cfg.matmul_backend, cfg.tp)
         # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
         self.runner = ModelRunner(self.model_config,
                                   np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,
-                                  attention_backend=cfg.attention_backend, matmul_backend=cfg.matmul_backend,
+                                  attention_backend=cfg.attention_backend, matmul_backend=matmul,
+                                  weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
                                   max_context=self.max_context,
                                   tp=cfg.tp)
         del np_params

@@ -87,7 +87,7 @@ def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sa
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
-                 attention_backend: str = "auto", matmul_backend: str = "auto",
+                 attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1):
         self.config = config
         # Under tensor parallelism attention and matmuls stay XLA's (it partitions them by the shardings).
@@ -105,7 +105,10 @@ class ModelRunner:
         if self.tp:
             params, kv_sharding = self.tp.shard_params(params, config), self.tp.kv_sharding
         self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding)
-        self.params = with_packed_weights(params) if self.matmul_backend == "cpu" else params
+        # "packed"/"gguf": the CPU kernels' weights; weight_blocks (load_gguf_blocks) serve "gguf" only.
+        if self.matmul_backend != "xla":
+            params = with_packed_weights(params, weight_blocks if self.matmul_backend == "gguf" else None)
+        self.params = params
         self.compiles = 0
         self._signatures: set[tuple] = set()
         self._step = jax.jit(

@@ -30,13 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention, register_attention_backend
+from jsgl.model.loader import QuantBlocks
 from jsgl.model.registry import cache_dir
 
 log = logging.getLogger("jsgl.kernels.cpu")
 
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-_TARGETS = ("jsgl_packed_matmul", "jsgl_paged_decode_attention")
+_TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_decode_attention")
+MATMUL_BACKENDS = ("xla", "packed", "gguf")
 _lock = threading.Lock()
 _status: dict[str, object] = {}
 
@@ -90,15 +92,17 @@ def unavailable_reason() -> str | None:
 
 
 def resolve_matmul_backend(name: str, tp: int = 1) -> str:
-    """``auto``: the packed kernel on a CPU that builds it (and without tensor parallelism), else ``xla``."""
+    """``xla``: XLA's dot. ``packed``: the kernel over float32 panels. ``gguf``: the kernel over the GGUF
+    file's own Q4_1/Q8_0 blocks where it has them (else float32 panels). ``auto``: ``gguf`` on a CPU that
+    builds the kernels, without tensor parallelism; else ``xla``."""
     if name == "auto":
-        return "cpu" if tp == 1 and jax.default_backend() == "cpu" and available() else "xla"
-    if name == "cpu" and tp > 1:
-        raise ValueError("matmul_backend='cpu' does not shard: use 'xla' (or 'auto') with tp > 1")
-    if name == "cpu" and not available():
-        raise ValueError(f"matmul_backend='cpu' needs the CPU kernels: {unavailable_reason()}")
-    if name not in ("xla", "cpu"):
-        raise ValueError(f"unknown matmul backend {name!r}; known: auto, xla, cpu")
+        return "gguf" if tp == 1 and jax.default_backend() == "cpu" and available() else "xla"
+    if name not in MATMUL_BACKENDS:
+        raise ValueError(f"unknown matmul backend {name!r}; known: auto, {', '.join(MATMUL_BACKENDS)}")
+    if name != "xla" and tp > 1:
+        raise ValueError(f"matmul_backend={name!r} does not shard: use 'xla' (or 'auto') with tp > 1")
+    if name != "xla" and not available():
+        raise ValueError(f"matmul_backend={name!r} needs the CPU kernels: {unavailable_reason()}")
     return name
 
 
@@ -125,11 +129,53 @@ def pack_weight(weights: list[jax.Array]) -> PackedWeight:
     return PackedWeight(w.reshape(k, num_panels, PANEL).transpose(1, 0, 2), tuple(x.shape[1] for x in weights))
 
 
-def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """``x [..., K] @ W [K, N]`` in float32 by the packed-panel kernel."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """Like :class:`PackedWeight`, in the GGUF file's blocks of 32 along K (kind ``q4_1`` or ``q8_0``):
+    ``codes [P, K/2, 48]`` uint8 (Q4_1: rows k, k+1 in the low, high nibble) or ``[P, K, 48]`` (Q8_0, int8
+    bits), ``scales [P, K/32, 2 or 1, 48]`` float32 (d, and m for Q4_1)."""
+
+    codes: jax.Array
+    scales: jax.Array
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    splits: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.splits)
+
+
+PACKED_TYPES = (PackedWeight, QuantWeight)
+
+
+def pack_quant(blocks: list[QuantBlocks]) -> QuantWeight:
+    """Packs GGUF matrices of one kind that multiply the same input (see :class:`QuantWeight`)."""
+    kind = blocks[0].kind
+    if any(b.kind != kind for b in blocks):
+        raise ValueError("pack_quant: matrices of one quantization kind only")
+    q = np.concatenate([b.q for b in blocks])  # [N, K]
+    n, k = q.shape
+    num_panels = -(-n // PANEL)
+    pad = lambda a: np.pad(a, ((0, num_panels * PANEL - n), (0, 0))).reshape(num_panels, PANEL, -1)
+    q = pad(q.view(np.uint8))
+    codes = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)) if kind == "q4_1" else q
+    scales = [np.concatenate([b.d for b in blocks])]
+    if kind == "q4_1":
+        scales.append(np.concatenate([b.m for b in blocks]))
+    scales = np.stack([pad(s).transpose(0, 2, 1) for s in scales], axis=2)  # [P, K/32, S, 48]
+    return QuantWeight(jnp.asarray(np.ascontiguousarray(codes.transpose(0, 2, 1))),
+                       jnp.asarray(np.ascontiguousarray(scales, np.float32)), kind, tuple(b.q.shape[0] for b in blocks))
+
+
+def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight) -> jax.Array:
+    """``x [..., K] @ W [K, N]`` in float32 by the packed-panel kernels."""
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
-    y = jax.ffi.ffi_call("jsgl_packed_matmul", out)(rows, w.panels)
+    if isinstance(w, QuantWeight):
+        y = jax.ffi.ffi_call(f"jsgl_{w.kind}_matmul", out)(rows, w.codes, w.scales)
+    else:
+        y = jax.ffi.ffi_call("jsgl_packed_matmul", out)(rows, w.panels)
     return y.reshape(*x.shape[:-1], w.out_features)
 
 

@@ -3,16 +3,20 @@
 // jsgl_packed_matmul: y[M, N] = x[M, K] @ W with W packed once, at load, into panels [P, K, 48] of 48
 //   output columns (3 AVX-512 vectors). XLA's CPU dot repacks its weight operand on every call; for the
 //   1-16 rows of a decode step that costs about as much as the arithmetic.
+// jsgl_q4_1_matmul, jsgl_q8_0_matmul: the same over weights kept in the GGUF file's own quantized blocks,
+//   dequantized exactly, in registers (see QuantMicroKernel).
 // jsgl_paged_decode_attention: one query token per request attends over its slots, read in place from
 //   the token-granular pool [Hkv, N, D] (XLA gathers a [B, Hkv, L, D] copy of K and V first).
 //
-// Both split their work between the calling thread and helper threads (see Helpers).
+// All split their work between the calling thread and helper threads (see Helpers).
 
 #include <immintrin.h>
 
 #include <sched.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <chrono>
 #include <atomic>
 #include <cmath>
@@ -183,8 +187,7 @@ constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,         MicroKernel
                                                     MicroKernel<3>, MicroKernel<4>, MicroKernel<5>,
                                                     MicroKernel<6>, MicroKernel<7>, MicroKernel<8>};
 
-ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
-                        ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[1] != xd[1] ||
       yd[0] != xd[0] || yd[1] > pd[0] * kPanel) {
@@ -194,14 +197,94 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
   const float* xs = x.typed_data();
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
-  const int64_t num_panels = (n_dim + kPanel - 1) / kPanel;
   // One task per panel: the panel stays in cache while every row block passes over it.
-  ParallelFor(num_panels, [&](int64_t p) {
+  ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const float* panel = ws + p * k_dim * kPanel;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     for (int64_t m = 0; m < m_dim; m += kRows) {
       const int64_t rows = std::min(kRows, m_dim - m);
       kMicroKernels[rows](xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// GGUF blocks of 32 weights along K, as packed by jsgl/kernels/cpu.py: Q4_1 is w = d * q + m with q in
+// 0..15 (one byte holds rows k and k+1: low nibble, high nibble), Q8_0 is w = d * q with q int8. d is a
+// float16, so d * q is exact in float32 and every weight equals gguf's float32 dequantization.
+//
+// y[0:R, 0:cols] = x[0:R, :] @ W[:, 16 columns]: each row of 16 weights is dequantized in registers and
+// used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and dequantizes each
+// weight once per 16 rows.
+template <int R, bool kQ4>
+void QuantMicroKernel(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k_dim,
+                      float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < k_dim / 32; ++b) {
+    const __m512 d = _mm512_loadu_ps(scales + b * kScales * kPanel);
+    const __m512 m = kQ4 ? _mm512_loadu_ps(scales + b * kScales * kPanel + kPanel) : _mm512_setzero_ps();
+    for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
+      const uint8_t* c = codes + k / kRowsPerByte * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(c + 32 * kPanel), _MM_HINT_T0);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+      if constexpr (kQ4) {
+        const __m512i q = _mm512_cvtepu8_epi32(bytes);
+        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d, m);
+        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, acc[r]);
+        }
+      } else {
+        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+}
+
+constexpr int64_t kQuantRows = 16;
+using QuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
+                                    int64_t);
+template <bool kQ4, int... R>
+constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
+  return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
+}
+
+// codes [P, K/2, 48] (Q4_1) or [P, K, 48] (Q8_0), scales [P, K/32, 2 or 1, 48]; one task per panel, its
+// three 16-column groups in turn (they share the panel's code bytes in cache).
+template <bool kQ4>
+ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  const int64_t rows_per_byte = kQ4 ? 2 : 1, num_scales = kQ4 ? 2 : 1;
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 4 || yd.size() != 2 || xd[1] % 32 != 0 ||
+      cd[1] * rows_per_byte != xd[1] || cd[2] != kPanel || sd[0] != cd[0] || sd[1] * 32 != xd[1] ||
+      sd[2] != num_scales || sd[3] != kPanel || yd[0] != xd[0] || yd[1] > cd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("jsgl_quant_matmul: codes/scales do not match x [M, K] and y [M, N]");
+  }
+  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = yd[1];
+  const float* xs = x.typed_data();
+  const uint8_t* cs = codes.typed_data();
+  const float* ss = scales.typed_data();
+  float* ys = y->typed_data();
+  ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
+    for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
+      const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
+      const uint8_t* c = cs + p * cd[1] * kPanel + g;
+      const float* s = ss + p * sd[1] * num_scales * kPanel + g;
+      for (int64_t m = 0; m < m_dim; m += kQuantRows) {
+        const int64_t rows = std::min(kQuantRows, m_dim - m);
+        kernels[rows](xs + m * k_dim, k_dim, c, s, k_dim, ys + m * n_dim + p * kPanel + g, n_dim, cols);
+      }
     }
   });
   return ffi::Error::Success();
@@ -348,6 +431,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define JSGL_QUANT_MATMUL(name, q4)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, QuantMatmul<q4>,                                          \
+                                ffi::Ffi::Bind()                                                \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::U8>>()                                \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+JSGL_QUANT_MATMUL(jsgl_q4_1_matmul, true)
+JSGL_QUANT_MATMUL(jsgl_q8_0_matmul, false)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_paged_decode_attention, PagedDecodeAttention,
                               ffi::Ffi::Bind()

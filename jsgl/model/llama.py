@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.kernels.attention import AttentionFn, AttentionMetadata
-from jsgl.kernels.cpu import PackedWeight, pack_weight, packed_matmul
+from jsgl.kernels.cpu import PACKED_TYPES, PackedWeight, QuantWeight, pack_quant, pack_weight, packed_matmul
 from jsgl.model.config import ModelConfig
 
 Params = dict[str, Any]
@@ -26,29 +26,38 @@ KVCache = tuple[list[jax.Array], list[jax.Array]]
 PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
-def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight) -> jax.Array:
+    return packed_matmul(x, w) if isinstance(w, PACKED_TYPES) else x @ w
 
 
 def project(x: jax.Array, layer: Params, names: tuple[str, ...]) -> list[jax.Array]:
     """``x @ layer[name]`` for each of ``names`` (a group of PROJECTIONS), fused when packed."""
     packed = layer.get("+".join(names))
-    if not isinstance(packed, PackedWeight):
+    if not isinstance(packed, PACKED_TYPES):
         return [x @ layer[name] for name in names]
     return jnp.split(packed_matmul(x, packed), np.cumsum(packed.splits)[:-1].tolist(), axis=-1)
 
 
-def with_packed_weights(params: Params) -> Params:
-    """The same params with each layer's PROJECTIONS packed (and fused) for the CPU kernel, and the LM head
-    packed (for a tied model, a packed copy of the embedding's transpose; the embedding stays for lookup)."""
+def with_packed_weights(params: Params, blocks: tuple[list[dict], Any] | None = None) -> Params:
+    """The same params with each layer's PROJECTIONS packed (and fused) for the CPU kernels, and the LM head
+    packed (for a tied model, a packed copy of the embedding's transpose; the embedding stays for lookup).
+
+    ``blocks`` (from :func:`jsgl.model.loader.load_gguf_blocks`): where a group's matrices all come in GGUF
+    blocks of one kind, it is packed from them (QuantWeight, the same values) instead of float32."""
+    layer_blocks, head_blocks = blocks or ([{}] * len(params["layers"]), None)
     layers = []
-    for layer in params["layers"]:
+    for layer, quant in zip(params["layers"], layer_blocks):
         packed = {key: w for key, w in layer.items() if not any(key in group for group in PROJECTIONS)}
         for group in PROJECTIONS:
-            packed["+".join(group)] = pack_weight([layer[name] for name in group])
+            group_blocks = [quant.get(name) for name in group]
+            if all(b is not None for b in group_blocks) and len({b.kind for b in group_blocks}) == 1:
+                packed["+".join(group)] = pack_quant(group_blocks)
+            else:
+                packed["+".join(group)] = pack_weight([layer[name] for name in group])
         layers.append(packed)
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return {**params, "layers": layers, "lm_head": pack_weight([head])}
+    lm_head = pack_quant([head_blocks]) if head_blocks is not None else pack_weight([head])
+    return {**params, "layers": layers, "lm_head": lm_head}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

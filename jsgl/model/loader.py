@@ -15,6 +15,7 @@ decode speed)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -170,6 +171,64 @@ def _load_gguf(path: Path) -> tuple[dict[str, Any], Params]:
                 layer[bias] = _unpermute_qk(layer[bias], heads)
         per_layer.append(layer)
     return hf_config, _finish(tensors, per_layer, config.tie_word_embeddings)
+
+
+@dataclasses.dataclass
+class QuantBlocks:
+    """A GGUF matrix [N, K] in its own blocks of 32 along K: ``w[n, k] = d[n, k // 32] * q[n, k] (+ m[n, k // 32])``.
+
+    Q4_1 has ``m`` and q in 0..15; Q8_0 has no ``m`` and int8 q. Rows are in HF order (Q/K unpermuted).
+    """
+
+    kind: str  # "q4_1" | "q8_0"
+    q: np.ndarray  # [N, K] uint8 (q4_1) or int8 (q8_0)
+    d: np.ndarray  # [N, K // 32] float32
+    m: np.ndarray | None  # [N, K // 32] float32, q4_1 only
+
+
+def _quant_blocks(t: Any) -> QuantBlocks | None:
+    import gguf
+
+    kind = {gguf.GGMLQuantizationType.Q4_1: "q4_1", gguf.GGMLQuantizationType.Q8_0: "q8_0"}.get(t.tensor_type)
+    if kind is None:
+        return None
+    rows = int(t.shape[1])
+    blocks = np.asarray(t.data).reshape(rows, -1, 20 if kind == "q4_1" else 34)
+    half = lambda b: b.copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "q8_0":
+        return QuantBlocks(kind, blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), half(blocks[..., :2]), None)
+    codes = blocks[..., 4:]  # element j of a block in the low nibble of byte j, element j + 16 in the high
+    q = np.concatenate([codes & 0x0F, codes >> 4], axis=-1).reshape(rows, -1)
+    return QuantBlocks(kind, q, half(blocks[..., :2]), half(blocks[..., 2:4]))
+
+
+def load_gguf_blocks(model: str | os.PathLike) -> tuple[list[dict[str, QuantBlocks]], QuantBlocks | None] | None:
+    """The layer matrices (by our names) and the LM head (``output`` or, tied, ``token_embd``) that the
+    GGUF file stores as Q4_1 or Q8_0 blocks, for the CPU kernels that compute on them directly. None for an
+    HF folder."""
+    import gguf
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return None
+    reader = gguf.GGUFReader(str(path))
+    config = ModelConfig.from_hf(_gguf_config(reader))
+    by_name = {t.name: t for t in reader.tensors}
+    layers = []
+    for i in range(config.num_layers):
+        layer = {}
+        for ours, (g, _) in _LAYER_TENSORS.items():
+            t = by_name.get(f"blk.{i}.{g}")
+            blocks = _quant_blocks(t) if t is not None and len(t.shape) == 2 else None
+            if blocks is not None:
+                if ours in ("wq", "wk"):
+                    heads = config.num_heads if ours == "wq" else config.num_kv_heads
+                    blocks = QuantBlocks(blocks.kind, *(None if a is None else _unpermute_qk(a, heads)
+                                                        for a in (blocks.q, blocks.d, blocks.m)))
+                layer[ours] = blocks
+        layers.append(layer)
+    head = by_name.get("output.weight") or by_name["token_embd.weight"]
+    return layers, _quant_blocks(head)
 
 
 # ------------------------------------------------------------------------------------------------ HF
