@@ -1,8 +1,10 @@
 """AVX-512 CPU kernels (``cpu_kernels.cc``) as JAX ops through XLA's FFI.
 
-* :func:`packed_matmul`: ``x @ W`` with ``W`` packed once into panels of 48 output columns
-  (:class:`PackedWeight`). XLA's CPU dot repacks its weight operand on every call, which at the 1-16 rows
-  of a decode step costs about as much as the multiply (measured 186 vs ~340 GFLOP/s at 16 rows).
+* :func:`packed_matmul`: ``x @ W`` with ``W`` packed once into panels of 48 output columns, in float32
+  (:class:`PackedWeight`) or in the GGUF file's own Q4_1/Q8_0 blocks (:class:`QuantWeight`, dequantized
+  exactly in registers: the same products, bit for bit, from 4-9 bits per weight). XLA's CPU dot repacks
+  its weight operand on every call, which at the 1-16 rows of a decode step costs about as much as the
+  multiply (a chain of [16, 576] x [576, 1536] products: XLA ~185 GFLOP/s, packed float32 ~330).
 * :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode reads each request's K/V rows in
   place from the pool instead of gathering a copy; extend steps use the native path.
 
