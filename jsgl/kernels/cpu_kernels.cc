@@ -250,7 +250,33 @@ void QuantMicroKernel(const float* x, int64_t ldx, const uint8_t* codes, const f
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 
+// The same weights written out as a float32 panel [K, 48]: for many rows, dequantizing each weight once
+// into cache and running the float32 micro-kernel beats dequantizing it again for every 16 rows.
+template <bool kQ4>
+void DequantizePanel(const uint8_t* codes, const float* scales, int64_t k_dim, float* out) {
+  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < k_dim / 32; ++b) {
+    for (int j = 0; j < 3; ++j) {
+      const float* s = scales + b * kScales * kPanel + 16 * j;
+      const __m512 d = _mm512_loadu_ps(s), m = kQ4 ? _mm512_loadu_ps(s + kPanel) : _mm512_setzero_ps();
+      for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / kRowsPerByte * kPanel + 16 * j));
+        float* row = out + k * kPanel + 16 * j;
+        if constexpr (kQ4) {
+          const __m512i q = _mm512_cvtepu8_epi32(bytes);
+          _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d, m));
+          _mm512_storeu_ps(row + kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m));
+        } else {
+          _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d));
+        }
+      }
+    }
+  }
+}
+
 constexpr int64_t kQuantRows = 16;
+constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
 using QuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
                                     int64_t);
 template <bool kQ4, int... R>
@@ -258,8 +284,9 @@ constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::int
   return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
 }
 
-// codes [P, K/2, 48] (Q4_1) or [P, K, 48] (Q8_0), scales [P, K/32, 2 or 1, 48]; one task per panel, its
-// three 16-column groups in turn (they share the panel's code bytes in cache).
+// codes [P, K/2, 48] (Q4_1) or [P, K, 48] (Q8_0), scales [P, K/32, 2 or 1, 48]; one task per panel: its
+// three 16-column groups in turn (they share the panel's code bytes in cache), or, for many rows, the
+// dequantized panel. Both give the float32 kernel's sums, bit for bit.
 template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                        ffi::ResultBuffer<ffi::F32> y) {
@@ -277,13 +304,25 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
+    const uint8_t* panel_codes = cs + p * cd[1] * kPanel;
+    const float* panel_scales = ss + p * sd[1] * num_scales * kPanel;
+    if (m_dim > kDequantizeAbove) {
+      thread_local std::vector<float> scratch;
+      scratch.resize(k_dim * kPanel);
+      DequantizePanel<kQ4>(panel_codes, panel_scales, k_dim, scratch.data());
+      const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
+      for (int64_t m = 0; m < m_dim; m += kRows) {
+        const int64_t rows = std::min(kRows, m_dim - m);
+        kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+      }
+      return;
+    }
     for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
       const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
-      const uint8_t* c = cs + p * cd[1] * kPanel + g;
-      const float* s = ss + p * sd[1] * num_scales * kPanel + g;
       for (int64_t m = 0; m < m_dim; m += kQuantRows) {
         const int64_t rows = std::min(kQuantRows, m_dim - m);
-        kernels[rows](xs + m * k_dim, k_dim, c, s, k_dim, ys + m * n_dim + p * kPanel + g, n_dim, cols);
+        kernels[rows](xs + m * k_dim, k_dim, panel_codes + g, panel_scales + g, k_dim,
+                      ys + m * n_dim + p * kPanel + g, n_dim, cols);
       }
     }
   });
