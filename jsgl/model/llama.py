@@ -66,15 +66,17 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, 1, hd/2] of every new token's angles, computed once for all layers."""
+    """``[cos, cos]`` and ``[-sin, sin]`` [T, 1, hd] of every new token's angles, computed once for all layers."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
 
 
-def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on [T, H, hd] (HF layout; the GGUF loader undoes llama.cpp's interleaving)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+def rope(x: jax.Array, cos: jax.Array, signed_sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on [T, H, hd] (HF layout; the GGUF loader undoes llama.cpp's interleaving):
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]``, written with a roll of the halves instead of a concatenation
+    of two results (XLA CPU's concatenate took ~40 us per layer at 16 tokens; this is ~3x faster)."""
+    return x * cos + jnp.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin
 
 
 def _layer(
