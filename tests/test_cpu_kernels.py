@@ -123,7 +123,7 @@ def test_gguf_blocks_are_the_dequantized_weights(smollm):
     np.testing.assert_array_equal(np.repeat(head.d, 32, axis=1) * head.q, params["embed"])
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 40])  # wide, 16-column, dequantized-panel paths
 def test_quant_matmul_equals_float32_kernel_bitwise(smollm, m):
     """The kernel over GGUF blocks dequantizes exactly and sums in the float32 kernel's order."""
     _, params, (layers, head) = smollm

@@ -275,6 +275,45 @@ void DequantizePanel(const uint8_t* codes, const float* scales, int64_t k_dim, f
   }
 }
 
+// The same for R <= 4 rows over all 48 columns of a panel: three independent accumulator chains per row
+// instead of one, since a single row is bound by the FMA latency, not by its throughput.
+template <int R, bool kQ4>
+void QuantMicroKernelWide(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k_dim,
+                          float* y, int64_t ldy, int64_t cols) {
+  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < k_dim / 32; ++b) {
+    __m512 d[3], m[3];
+    for (int j = 0; j < 3; ++j) {
+      d[j] = _mm512_loadu_ps(scales + b * kScales * kPanel + 16 * j);
+      m[j] = kQ4 ? _mm512_loadu_ps(scales + b * kScales * kPanel + kPanel + 16 * j) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
+      const uint8_t* c = codes + k / kRowsPerByte * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(c + 32 * kPanel), _MM_HINT_T0);
+      for (int j = 0; j < 3; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
+        if constexpr (kQ4) {
+          const __m512i q = _mm512_cvtepu8_epi32(bytes);
+          const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d[j], m[j]);
+          const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[j], m[j]);
+          for (int r = 0; r < R; ++r) {
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, acc[r][j]);
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, acc[r][j]);
+          }
+        } else {
+          const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d[j]);
+          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[r], cols);
+}
+
+constexpr int64_t kWideRows = 4;
 constexpr int64_t kQuantRows = 16;
 constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
 using QuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
@@ -283,14 +322,20 @@ template <bool kQ4, int... R>
 constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
   return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
 }
+template <bool kQ4, int... R>
+constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(std::integer_sequence<int, R...>) {
+  return {nullptr, QuantMicroKernelWide<R + 1, kQ4>...};
+}
 
 // codes [P, K/2, 48] (Q4_1) or [P, K, 48] (Q8_0), scales [P, K/32, 2 or 1, 48]; one task per panel: its
 // three 16-column groups in turn (they share the panel's code bytes in cache), or, for many rows, the
-// dequantized panel. Both give the float32 kernel's sums, bit for bit.
+// dequantized panel, or for at most 4 rows all 48 columns at once. All give the float32 kernel's sums, bit
+// for bit.
 template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
                        ffi::ResultBuffer<ffi::F32> y) {
   static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
+  static constexpr auto wide_kernels = WideQuantKernels<kQ4>(std::make_integer_sequence<int, kWideRows>());
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   const int64_t rows_per_byte = kQ4 ? 2 : 1, num_scales = kQ4 ? 2 : 1;
   if (xd.size() != 2 || cd.size() != 3 || sd.size() != 4 || yd.size() != 2 || xd[1] % 32 != 0 ||
@@ -315,6 +360,11 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
         const int64_t rows = std::min(kRows, m_dim - m);
         kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
       }
+      return;
+    }
+    if (m_dim <= kWideRows) {
+      wide_kernels[m_dim](xs, k_dim, panel_codes, panel_scales, k_dim, ys + p * kPanel, n_dim,
+                          std::min(kPanel, n_dim - p * kPanel));
       return;
     }
     for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
