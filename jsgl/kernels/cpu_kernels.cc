@@ -216,9 +216,13 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
 // y[0:R, 0:cols] = x[0:R, :] @ W[:, 16 columns]: each row of 16 weights is dequantized in registers and
 // used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and dequantizes each
 // weight once per 16 rows.
+constexpr int64_t kQuantRows = 16;
+
+// x_t is x transposed, [K][16]: one base address serves every row (GCC spilled 16 row pointers of x
+// [R, K] into vector registers inside the loop).
 template <int R, bool kQ4>
-void QuantMicroKernel(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k_dim,
-                      float* y, int64_t ldy, int64_t cols) {
+void QuantMicroKernel(const float* x_t, const uint8_t* codes, const float* scales, int64_t k_dim, float* y,
+                      int64_t ldy, int64_t cols) {
   constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -236,13 +240,13 @@ void QuantMicroKernel(const float* x, int64_t ldx, const uint8_t* codes, const f
         const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[k * kQuantRows + r]), w0, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[(k + 1) * kQuantRows + r]), w1, acc[r]);
         }
       } else {
         const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r]);
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[k * kQuantRows + r]), w, acc[r]);
       }
     }
   }
@@ -314,16 +318,17 @@ void QuantMicroKernelWide(const float* x, int64_t ldx, const uint8_t* codes, con
 }
 
 constexpr int64_t kWideRows = 4;
-constexpr int64_t kQuantRows = 16;
 constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
-using QuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
-                                    int64_t);
+static_assert(kDequantizeAbove <= kQuantRows, "the 16-column kernel takes all rows at once");
+using QuantMicroKernelFn = void (*)(const float*, const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
+using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
+                                        int64_t);
 template <bool kQ4, int... R>
 constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
   return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
 }
 template <bool kQ4, int... R>
-constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(std::integer_sequence<int, R...>) {
+constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(std::integer_sequence<int, R...>) {
   return {nullptr, QuantMicroKernelWide<R + 1, kQ4>...};
 }
 
@@ -348,6 +353,12 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
   const uint8_t* cs = codes.typed_data();
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
+  std::vector<float> x_t;  // for the 16-column kernel
+  if (m_dim > kWideRows && m_dim <= kDequantizeAbove) {
+    x_t.assign(k_dim * kQuantRows, 0.f);
+    for (int64_t r = 0; r < m_dim; ++r)
+      for (int64_t k = 0; k < k_dim; ++k) x_t[k * kQuantRows + r] = xs[r * k_dim + k];
+  }
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const uint8_t* panel_codes = cs + p * cd[1] * kPanel;
     const float* panel_scales = ss + p * sd[1] * num_scales * kPanel;
@@ -369,11 +380,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
     }
     for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
       const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
-      for (int64_t m = 0; m < m_dim; m += kQuantRows) {
-        const int64_t rows = std::min(kQuantRows, m_dim - m);
-        kernels[rows](xs + m * k_dim, k_dim, panel_codes + g, panel_scales + g, k_dim,
-                      ys + m * n_dim + p * kPanel + g, n_dim, cols);
-      }
+      kernels[m_dim](x_t.data(), panel_codes + g, panel_scales + g, k_dim, ys + p * kPanel + g, n_dim, cols);
     }
   });
   return ffi::Error::Success();
