@@ -42,7 +42,8 @@ PROMPTS = [
 
 
 def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 7) -> float:
-    """Median bytes/s of a jitted full read (sum) of a large float32 array, like a weight read."""
+    """Best bytes/s of a jitted full read (sum) of a large float32 array, like a weight read. The best, not
+    the median: this machine's bandwidth drifts ~2x over minutes, and a floor needs the fastest reads."""
     x = jnp.ones((size_mb * (1 << 20) // 4,), jnp.float32)
     f = jax.jit(lambda a: jnp.sum(a))
     f(x).block_until_ready()
@@ -51,7 +52,7 @@ def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 7) -> float:
         t0 = time.perf_counter()
         f(x).block_until_ready()
         times.append(time.perf_counter() - t0)
-    return x.nbytes / statistics.median(times) / 1e9
+    return x.nbytes / min(times) / 1e9
 
 
 KERNELS = {"gguf": {"matmul_backend": "gguf", "attention_backend": "cpu"},  # the default on CPU
@@ -66,101 +67,132 @@ def step_weight_bytes(params) -> int:
     return total - params["embed"].nbytes if "lm_head" in params else total
 
 
-def bench_jsgl(engine, batch: int, new_tokens: int, repeats: int) -> dict:
-    prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
-    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
-    engine.generate(prompts, params, progress=False)  # warm-up: compile every bucket this run uses
-    rates, step_ms = [], []
-    for _ in range(repeats):
+class JsglRun:
+    """One engine per kernel set; ``once`` times one generate of the batch."""
+
+    def __init__(self, name: str, batch_sizes: list[int]):
+        from jsgl.engine.engine import Engine
+
+        self.engine = Engine(kv_cache_gb=0.5, max_running_requests=max(batch_sizes), **KERNELS[name])
+        self.weight_bytes = step_weight_bytes(self.engine.runner.params)
+
+    def warm(self, prompts: list[str], params: dict) -> None:
+        self.engine.generate(prompts, params, progress=False)  # compiles every bucket this batch uses
+
+    def once(self, prompts: list[str], params: dict) -> dict:
+        engine = self.engine
         engine.flush_cache()
         before = engine.stats()
         t0 = time.perf_counter()
         outs = engine.generate(prompts, params, progress=False)
         wall = time.perf_counter() - t0
         after = engine.stats()
-        rates.append(sum(o.completion_tokens for o in outs) / wall)
-        steps = after["decode_steps"] - before["decode_steps"]
-        step_ms.append(1e3 * (after["decode_time_s"] - before["decode_time_s"]) / max(steps, 1))
-    mean_prompt = float(np.mean([len(engine.tokenizer(p).input_ids) for p in prompts]))
-    return {"tokens_per_s": statistics.median(rates), "decode_ms_per_step": statistics.median(step_ms),
-            "mean_prompt_tokens": mean_prompt}
+        steps = max(after["decode_steps"] - before["decode_steps"], 1)
+        return {"tokens_per_s": sum(o.completion_tokens for o in outs) / wall,
+                "decode_ms_per_step": 1e3 * (after["decode_time_s"] - before["decode_time_s"]) / steps}
 
 
-def bench_transformers(batch: int, new_tokens: int, repeats: int) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class TransformersRun:
+    """transformers ``generate`` on the same GGUF (dequantized to float32 by transformers), greedy."""
 
-    from jsgl.model.registry import resolve_model_path
+    def __init__(self):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path("smollm2-135m")
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
-    enc = tok(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  pad_token_id=tok.pad_token_id or 0)
-    with torch.no_grad():
-        model.generate(**enc, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        rates = []
-        for _ in range(repeats):
+        from jsgl.model.registry import resolve_model_path
+
+        path = resolve_model_path("smollm2-135m")
+        self.torch = torch
+        self.tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        self.tok.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+
+    def _generate(self, prompts: list[str], new_tokens: int) -> tuple[int, float]:
+        enc = self.tok(prompts, return_tensors="pt", padding=True)
+        with self.torch.no_grad():
             t0 = time.perf_counter()
-            out = model.generate(**enc, **kwargs)
-            rates.append((out.shape[1] - enc.input_ids.shape[1]) * batch / (time.perf_counter() - t0))
-    return statistics.median(rates)
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      pad_token_id=self.tok.pad_token_id or 0)
+            return (out.shape[1] - enc.input_ids.shape[1]) * len(prompts), time.perf_counter() - t0
+
+    def warm(self, prompts: list[str], params: dict) -> None:
+        self._generate(prompts, 4)
+
+    def once(self, prompts: list[str], params: dict) -> dict:
+        tokens, wall = self._generate(prompts, params["max_new_tokens"])
+        return {"tokens_per_s": tokens / wall}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (every system once per round)")
     ap.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
-    from jsgl.engine.engine import Engine
     from jsgl.kernels import cpu as cpu_kernels
 
     kernels = [k for k in args.kernels if k == "xla" or cpu_kernels.available()]
     if kernels != args.kernels:
         print(f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()}): measuring {kernels} only")
     bandwidth = read_bandwidth_gbs()  # before any engine: the kernels' helper threads must not compete
-    results: dict[str, dict[int, dict]] = {}
+    runs: dict[str, JsglRun | TransformersRun] = {name: JsglRun(name, args.batch_sizes) for name in kernels}
+    if not args.skip_transformers:
+        runs["hf"] = TransformersRun()
+    cfg = runs[kernels[0]].engine.model_config
     for name in kernels:
-        engine = Engine(kv_cache_gb=0.5, max_running_requests=max(args.batch_sizes), **KERNELS[name])
-        cfg, weight_bytes = engine.model_config, step_weight_bytes(engine.runner.params)
-        print(f"jsgl[{name}]: {cfg.num_layers} layers, {weight_bytes / 1e6:.0f} MB of weights read per step; "
+        print(f"jsgl[{name}]: {runs[name].weight_bytes / 1e6:.0f} MB of weights read per step; "
               f"measured read bandwidth {bandwidth:.1f} GB/s")
-        results[name] = {}
-        for batch in args.batch_sizes:
-            ours = bench_jsgl(engine, batch, args.new_tokens, args.repeats)
-            mean_ctx = ours["mean_prompt_tokens"] + args.new_tokens / 2
-            ours["floor_ms"] = 1e3 * (weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token) / (bandwidth * 1e9)
-            results[name][batch] = ours
-        engine.shutdown()
+
     rows = []
     for batch in args.batch_sizes:
-        theirs = None if args.skip_transformers else bench_transformers(batch, args.new_tokens, args.repeats)
-        rows.append({"batch": batch, "transformers_tokens_per_s": theirs,
-                     **{name: results[name][batch] for name in kernels}})
+        prompts = (PROMPTS * (batch // len(PROMPTS) + 1))[:batch]
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        for run in runs.values():
+            run.warm(prompts, params)
+        # Interleaved rounds: the machine's slow and fast phases (memory bandwidth here varies ~2x over
+        # minutes) hit every system alike, and each round gives one ratio.
+        samples: dict[str, list[dict]] = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                samples[name].append(run.once(prompts, params))
+        mean_ctx = float(np.mean([len(runs[kernels[0]].engine.tokenizer(p).input_ids) for p in prompts]))
+        mean_ctx += args.new_tokens / 2
+        row = {"batch": batch}
+        for name in kernels:
+            rates = [x["tokens_per_s"] for x in samples[name]]
+            floor_ms = 1e3 * (runs[name].weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token) / (bandwidth * 1e9)
+            row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": floor_ms,
+                         "decode_ms_per_step": statistics.median(x["decode_ms_per_step"] for x in samples[name])}
+            if "hf" in runs:
+                row[name]["vs_hf"] = statistics.median(
+                    a / b["tokens_per_s"] for a, b in zip(rates, samples["hf"]))
+            if "xla" in kernels:
+                row[name]["vs_xla"] = statistics.median(
+                    a / b["tokens_per_s"] for a, b in zip(rates, samples["xla"]))
+        if "hf" in runs:
+            row["hf"] = {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in samples["hf"]),
+                         "all": [x["tokens_per_s"] for x in samples["hf"]]}
+        rows.append(row)
+    for name in kernels:
+        runs[name].engine.shutdown()
 
-    print(f"\n{'batch':>5} {'jsgl':>5} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'ms/step':>8} {'floor ms':>9} "
-          f"{'step/floor':>10}")
+    print(f"\nmedians of {args.repeats} interleaved rounds; ratios are medians of per-round ratios")
+    print(f"{'batch':>5} {'jsgl':>6} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'vs xla':>7} {'ms/step':>8} "
+          f"{'floor ms':>9} {'step/floor':>10}")
     for r in rows:
-        hf = r["transformers_tokens_per_s"]
         for name in kernels:
             ours = r[name]
-            ratio = f"{ours['tokens_per_s'] / hf:8.2f}" if hf else f"{'-':>8}"
-            hf_s = f"{hf:9.1f}" if hf else f"{'-':>9}"
-            print(f"{r['batch']:>5} {name:>5} {ours['tokens_per_s']:8.1f} {hf_s} {ratio} "
+            hf_s = f"{r['hf']['tokens_per_s']:9.1f}" if "hf" in r else f"{'-':>9}"
+            vs_hf = f"{ours['vs_hf']:8.2f}" if "vs_hf" in ours else f"{'-':>8}"
+            vs_xla = f"{ours['vs_xla']:7.2f}" if "vs_xla" in ours else f"{'-':>7}"
+            print(f"{r['batch']:>5} {name:>6} {ours['tokens_per_s']:8.1f} {hf_s} {vs_hf} {vs_xla} "
                   f"{ours['decode_ms_per_step']:8.1f} {ours['floor_ms']:9.1f} "
                   f"{ours['decode_ms_per_step'] / ours['floor_ms']:10.2f}")
-        if "xla" in kernels and len(kernels) > 1:
-            speedups = [f"{name} {r[name]['tokens_per_s'] / r['xla']['tokens_per_s']:.2f}x"
-                        for name in kernels if name != "xla"]
-            print(f"{'':>5} tokens/s vs xla: " + ", ".join(speedups))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth_gbs": bandwidth, "rows": rows}, f, indent=2)

@@ -57,7 +57,8 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
     (logprobs, ids) [B, K] of that distribution).
     """
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw = logits  # the model's distribution, before bias and masks
+    log_normalizer = jax.nn.logsumexp(raw, axis=-1)  # logprobs without writing out [B, V] of them
     if s.logit_bias is not None:
         logits = logits + s.logit_bias
     if s.bitmask is not None:
@@ -72,9 +73,10 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seeds, s.steps)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         tokens = jnp.where(s.temperature <= 1e-5, greedy_tokens, sampled)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_normalizer
     if s.top_logprobs:
-        top_vals, top_ids = jax.lax.top_k(raw_logprobs, s.top_logprobs)
+        top_vals, top_ids = jax.lax.top_k(raw, s.top_logprobs)
+        top_vals = top_vals - log_normalizer[:, None]
     else:
         top_vals = jnp.zeros((logits.shape[0], 0), jnp.float32)
         top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
