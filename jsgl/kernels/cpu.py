@@ -1,4 +1,4 @@
-"""AVX-512 CPU kernels (``cpu_kernels.cc``) as JAX ops through XLA's FFI.
+"""AVX-512 CPU kernels (``cpu_matmul.cc``, ``cpu_attention.cc``) as JAX ops through XLA's FFI.
 
 * :func:`packed_matmul`: ``x @ W`` with ``W`` packed once into panels of 48 output columns, in float32
   (:class:`PackedWeight`) or in the GGUF file's own Q4_1/Q8_0 blocks (:class:`QuantWeight`, dequantized
@@ -8,7 +8,7 @@
 * :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode reads each request's K/V rows in
   place from the pool instead of gathering a copy; extend steps use the native path.
 
-The source is compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
+The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
 ``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. Without a compiler or AVX-512,
 :func:`available` is False and the engine keeps XLA's dot and the native attention.
 """
@@ -38,7 +38,7 @@ from jsgl.model.registry import cache_dir
 log = logging.getLogger("jsgl.kernels.cpu")
 
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
-_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h")]
 _TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_decode_attention")
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
 _lock = threading.Lock()
@@ -59,7 +59,7 @@ def _compile() -> Path:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
              f"-I{jax.ffi.include_dir()}"]
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join([cxx, *flags]).encode(),
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES), " ".join([cxx, *flags]).encode(),
                                      _cpu_signature().encode(), jax.__version__.encode()])).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"jsgl_cpu_{key}.so"
     if out.exists():
@@ -67,10 +67,14 @@ def _compile() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: processes may race
         built = Path(tmp) / out.name
-        proc = subprocess.run([cxx, *flags, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+        sources = [str(src) for src in _SOURCES if src.suffix == ".cc"]
+        proc = subprocess.run([cxx, *flags, *sources, "-o", str(built)], capture_output=True, text=True)
         if proc.returncode:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"compiling the jsgl CPU kernels failed:\n{proc.stderr[-3000:]}")
         os.replace(built, out)
+    for stale in out.parent.glob("jsgl_cpu_*.so"):  # builds of older sources (a loaded one stays mapped)
+        if stale != out:
+            stale.unlink(missing_ok=True)
     return out
 
 
