@@ -227,12 +227,15 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
   const uint8_t* cs = codes.typed_data();
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
-  std::vector<float> x_t;  // for the 16-column kernel
+  // x transposed for the 16-column kernel (rows past m_dim are never read). The tasks get its address:
+  // the helpers would see their own thread_local buffer.
+  thread_local std::vector<float> x_t_buffer;
   if (m_dim > kWideRows && m_dim <= kDequantizeAbove) {
-    x_t.assign(k_dim * kQuantRows, 0.f);
-    for (int64_t r = 0; r < m_dim; ++r)
-      for (int64_t k = 0; k < k_dim; ++k) x_t[k * kQuantRows + r] = xs[r * k_dim + k];
+    x_t_buffer.resize(k_dim * kQuantRows);
+    for (int64_t k = 0; k < k_dim; ++k)
+      for (int64_t r = 0; r < m_dim; ++r) x_t_buffer[k * kQuantRows + r] = xs[r * k_dim + k];
   }
+  const float* x_t = x_t_buffer.data();
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const uint8_t* panel_codes = cs + p * cd[1] * kPanel;
     const float* panel_scales = ss + p * sd[1] * num_scales * kPanel;
@@ -254,7 +257,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
     }
     for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
       const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
-      kernels[m_dim](x_t.data(), panel_codes + g, panel_scales + g, k_dim, ys + p * kPanel + g, n_dim, cols);
+      kernels[m_dim](x_t, panel_codes + g, panel_scales + g, k_dim, ys + p * kPanel + g, n_dim, cols);
     }
   });
   return ffi::Error::Success();
