@@ -27,18 +27,34 @@ def test_packed_matmul_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, atol=2e-4 * np.sqrt(k), rtol=0)
 
 
-def test_fused_projections_split_like_separate_matmuls():
-    """q/k/v packed side by side give what three separate products give, split by PackedWeight.splits."""
-    from jsgl.model.llama import project
+def test_packed_layer_blocks_match_jnp():
+    """The layer's blocks through the kernels (fused q/k/v and gate/up, norm, SwiGLU and residual inside the
+    calls) equal the same blocks in plain jnp, on small random weights."""
+    from jsgl.model import llama
 
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((5, 96), np.float32))
-    layer = {name: jnp.asarray(rng.standard_normal((96, n), np.float32))
-             for name, n in (("wq", 96), ("wk", 32), ("wv", 32))}
-    packed = {"wq+wk+wv": cpu.pack_weight([layer["wq"], layer["wk"], layer["wv"]])}
-    assert packed["wq+wk+wv"].splits == (96, 32, 32) and packed["wq+wk+wv"].panels.shape == (4, 96, 48)
-    for got, want in zip(project(x, packed, ("wq", "wk", "wv")), project(x, layer, ("wq", "wk", "wv"))):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+    d, inter, m = 96, 64, 5
+    shapes = {"wq": (d, 96), "wk": (d, 32), "wv": (d, 32), "wo": (96, d), "w_gate": (d, inter), "w_up": (d, inter),
+              "w_down": (inter, d), "attn_norm": (d,), "mlp_norm": (d,)}
+    layer = {name: jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[0]))
+             for name, shape in shapes.items()}
+    packed = llama.with_packed_weights({"layers": [layer], "embed": jnp.zeros((8, d))})["layers"][0]
+    assert packed["wq+wk+wv"].splits == (96, 32, 32) and packed["wq+wk+wv"].panels.shape == (4, d, 48)
+    h, attn = (jnp.asarray(rng.standard_normal((m, n), np.float32)) for n in (d, 96))
+    close = lambda got, want: np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-5)
+    for got, want in zip(llama._normed_qkv(h, packed, 1e-5), llama._normed_qkv(h, layer, 1e-5)):
+        close(got, want)
+    close(llama._attention_output(h, attn, packed), llama._attention_output(h, attn, layer))
+    close(llama._mlp(h, packed, 1e-5), llama._mlp(h, layer, 1e-5))
+
+
+def test_swiglu_prologue_on_large_activations():
+    """silu(gate) * up in the kernel stays finite and right where exp(-gate) over- or underflows."""
+    gate = jnp.asarray(np.array([[-200.0, -90.0, -20.0, -1.0, 0.0, 1.0, 20.0, 90.0, 200.0] * 2], np.float32))
+    up = jnp.ones_like(gate)
+    w = jnp.eye(18, dtype=jnp.float32)
+    got = cpu.packed_matmul(jnp.concatenate([gate, up], axis=-1), cpu.pack_weight([w]), swiglu=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.nn.silu(gate)), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------- decode attention

@@ -38,7 +38,8 @@ from jsgl.model.registry import cache_dir
 log = logging.getLogger("jsgl.kernels.cpu")
 
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h")]
 _TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_decode_attention")
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
 _lock = threading.Lock()
@@ -174,15 +175,25 @@ def pack_quant(blocks: list[QuantBlocks]) -> QuantWeight:
                        jnp.asarray(np.ascontiguousarray(scales, np.float32)), kind, tuple(b.q.shape[0] for b in blocks))
 
 
-def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight) -> jax.Array:
-    """``x [..., K] @ W [K, N]`` in float32 by the packed-panel kernels."""
+def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight, *, norm: jax.Array | None = None, eps: float = 0.0,
+                  swiglu: bool = False, residual: jax.Array | None = None) -> jax.Array:
+    """``x [..., K] @ W [K, N]`` in float32 by the packed-panel kernels, with the layer's elementwise work
+    around it fused in (each XLA op between two kernels cost ~10 us):
+
+    ``norm`` (weight [K]): multiply ``rms_norm(x, eps) * norm``; ``swiglu``: x is [..., 2K] (gate | up),
+    multiply ``silu(gate) * up``; ``residual`` [..., N]: return ``residual + x @ W``.
+    """
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    out = jax.ShapeDtypeStruct((rows.shape[0], w.out_features), jnp.float32)
+    n = w.out_features
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    fused = (jnp.zeros((0,), jnp.float32) if norm is None else norm.astype(jnp.float32),
+             jnp.zeros((0, 0), jnp.float32) if residual is None else residual.reshape(-1, n).astype(jnp.float32))
+    attrs = {"eps": np.float32(eps), "swiglu": bool(swiglu)}
     if isinstance(w, QuantWeight):
-        y = jax.ffi.ffi_call(f"jsgl_{w.kind}_matmul", out)(rows, w.codes, w.scales)
+        y = jax.ffi.ffi_call(f"jsgl_{w.kind}_matmul", out)(rows, w.codes, w.scales, *fused, **attrs)
     else:
-        y = jax.ffi.ffi_call("jsgl_packed_matmul", out)(rows, w.panels)
-    return y.reshape(*x.shape[:-1], w.out_features)
+        y = jax.ffi.ffi_call("jsgl_packed_matmul", out)(rows, w.panels, *fused, **attrs)
+    return y.reshape(*x.shape[:-1], n)
 
 
 def decode_attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:

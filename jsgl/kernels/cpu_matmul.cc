@@ -7,12 +7,16 @@
 //   dequantized exactly, in registers (see QuantMicroKernel).
 
 #include <array>
+#include <cmath>
+#include <optional>
 #include <utility>
 
+#include "cpu_math.h"
 #include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jsgl::Exp;
 using jsgl::ParallelFor;
 
 namespace {
@@ -61,14 +65,74 @@ constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,         MicroKernel
                                                     MicroKernel<3>, MicroKernel<4>, MicroKernel<5>,
                                                     MicroKernel<6>, MicroKernel<7>, MicroKernel<8>};
 
-ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+// The elementwise work around a layer's matmuls, done here instead of in XLA ops of ~10 us each:
+// before, x <- rms_norm(x) * norm (norm: [K]) or x [M, 2K] <- silu(x[:, :K]) * x[:, K:] (swiglu);
+// after, y <- y + residual ([M, N]).
+struct Fusion {
+  const float* norm = nullptr;
+  float eps = 0.f;
+  bool swiglu = false;
+  const float* residual = nullptr;
+
+  // None if the shapes do not fit: norm [K] or empty, residual [M, N] or empty, not norm and swiglu both.
+  static std::optional<Fusion> Decode(ffi::Buffer<ffi::F32> norm, float eps, bool swiglu,
+                                      ffi::Buffer<ffi::F32> residual, int64_t m_dim, int64_t k_dim, int64_t n_dim) {
+    const int64_t norm_size = norm.element_count(), residual_size = residual.element_count();
+    if ((norm_size && norm_size != k_dim) || (residual_size && residual_size != m_dim * n_dim) ||
+        (swiglu && norm_size)) {
+      return std::nullopt;
+    }
+    return Fusion{norm.element_count() ? norm.typed_data() : nullptr, eps, swiglu,
+                  residual.element_count() ? residual.typed_data() : nullptr};
+  }
+
+  // The product's input: x itself, or x transformed into `buffer`.
+  const float* Input(const float* x, int64_t m_dim, int64_t k_dim, std::vector<float>& buffer) const {
+    if (!norm && !swiglu) return x;
+    buffer.resize(m_dim * k_dim);
+    for (int64_t m = 0; m < m_dim; ++m) {
+      float* out = buffer.data() + m * k_dim;
+      if (swiglu) {
+        const float *gate = x + m * 2 * k_dim, *up = gate + k_dim;
+        int64_t k = 0;
+        for (; k + 16 <= k_dim; k += 16) {
+          const __m512 g = _mm512_loadu_ps(gate + k);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), Exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm512_storeu_ps(out + k, _mm512_mul_ps(silu, _mm512_loadu_ps(up + k)));
+        }
+        for (; k < k_dim; ++k) out[k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
+      } else {
+        const float* row = x + m * k_dim;
+        float sum = 0.f;
+        for (int64_t k = 0; k < k_dim; ++k) sum += row[k] * row[k];
+        const float scale = 1.f / std::sqrt(sum / static_cast<float>(k_dim) + eps);
+        for (int64_t k = 0; k < k_dim; ++k) out[k] = row[k] * scale * norm[k];
+      }
+    }
+    return buffer.data();
+  }
+
+  // y[:, columns [c0, c0 + cols)] += residual, for the columns a task wrote.
+  void Finish(float* y, int64_t m_dim, int64_t n_dim, int64_t c0, int64_t cols) const {
+    if (!residual) return;
+    for (int64_t m = 0; m < m_dim; ++m)
+      for (int64_t c = c0; c < c0 + cols; ++c) y[m * n_dim + c] += residual[m * n_dim + c];
+  }
+};
+
+ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, ffi::Buffer<ffi::F32> norm,
+                        ffi::Buffer<ffi::F32> residual, float eps, bool swiglu, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[1] != xd[1] ||
+  const int64_t k_dim = xd.size() == 2 ? xd[1] / (swiglu ? 2 : 1) : -1;
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || pd[1] != k_dim ||
       yd[0] != xd[0] || yd[1] > pd[0] * kPanel) {
     return ffi::Error::InvalidArgument("jsgl_packed_matmul: expected x [M, K], panels [P, K, 48], y [M, N<=48P]");
   }
-  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = yd[1];
-  const float* xs = x.typed_data();
+  const int64_t m_dim = xd[0], n_dim = yd[1];
+  const auto fusion = Fusion::Decode(norm, eps, swiglu, residual, m_dim, k_dim, n_dim);
+  if (!fusion) return ffi::Error::InvalidArgument("jsgl matmul: bad norm / residual shapes");
+  thread_local std::vector<float> input;
+  const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
   // One task per panel: the panel stays in cache while every row block passes over it.
@@ -79,6 +143,7 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
       const int64_t rows = std::min(kRows, m_dim - m);
       kMicroKernels[rows](xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
     }
+    fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
   });
   return ffi::Error::Success();
 }
@@ -212,18 +277,23 @@ constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(
 // for bit.
 template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
+                       ffi::Buffer<ffi::F32> norm, ffi::Buffer<ffi::F32> residual, float eps, bool swiglu,
                        ffi::ResultBuffer<ffi::F32> y) {
   static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
   static constexpr auto wide_kernels = WideQuantKernels<kQ4>(std::make_integer_sequence<int, kWideRows>());
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
   const int64_t rows_per_byte = kQ4 ? 2 : 1, num_scales = kQ4 ? 2 : 1;
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 4 || yd.size() != 2 || xd[1] % 32 != 0 ||
-      cd[1] * rows_per_byte != xd[1] || cd[2] != kPanel || sd[0] != cd[0] || sd[1] * 32 != xd[1] ||
+  const int64_t k_dim = xd.size() == 2 ? xd[1] / (swiglu ? 2 : 1) : -1;
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 4 || yd.size() != 2 || k_dim % 32 != 0 ||
+      cd[1] * rows_per_byte != k_dim || cd[2] != kPanel || sd[0] != cd[0] || sd[1] * 32 != k_dim ||
       sd[2] != num_scales || sd[3] != kPanel || yd[0] != xd[0] || yd[1] > cd[0] * kPanel) {
     return ffi::Error::InvalidArgument("jsgl_quant_matmul: codes/scales do not match x [M, K] and y [M, N]");
   }
-  const int64_t m_dim = xd[0], k_dim = xd[1], n_dim = yd[1];
-  const float* xs = x.typed_data();
+  const int64_t m_dim = xd[0], n_dim = yd[1];
+  const auto fusion = Fusion::Decode(norm, eps, swiglu, residual, m_dim, k_dim, n_dim);
+  if (!fusion) return ffi::Error::InvalidArgument("jsgl matmul: bad norm / residual shapes");
+  thread_local std::vector<float> input;
+  const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
   const uint8_t* cs = codes.typed_data();
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
@@ -248,17 +318,20 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
         const int64_t rows = std::min(kRows, m_dim - m);
         kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
       }
+      fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
       return;
     }
     if (m_dim <= kWideRows) {
       wide_kernels[m_dim](xs, k_dim, panel_codes, panel_scales, k_dim, ys + p * kPanel, n_dim,
                           std::min(kPanel, n_dim - p * kPanel));
+      fusion->Finish(ys, m_dim, n_dim, p * kPanel, std::min(kPanel, n_dim - p * kPanel));
       return;
     }
     for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
       const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
       kernels[m_dim](x_t, panel_codes + g, panel_scales + g, k_dim, ys + p * kPanel + g, n_dim, cols);
     }
+    fusion->Finish(ys, m_dim, n_dim, p * kPanel, std::min(kPanel, n_dim - p * kPanel));
   });
   return ffi::Error::Success();
 }
@@ -269,6 +342,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [M, N] or [0, 0]
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("swiglu")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 #define JSGL_QUANT_MATMUL(name, q4)                                                             \
@@ -277,6 +354,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                                     .Arg<ffi::Buffer<ffi::F32>>()                               \
                                     .Arg<ffi::Buffer<ffi::U8>>()                                \
                                     .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
+                                    .Attr<float>("eps")                                         \
+                                    .Attr<bool>("swiglu")                                       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 JSGL_QUANT_MATMUL(jsgl_q4_1_matmul, true)
 JSGL_QUANT_MATMUL(jsgl_q8_0_matmul, false)

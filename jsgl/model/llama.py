@@ -21,8 +21,9 @@ Params = dict[str, Any]
 # Per-layer K and V pools, each [num_kv_heads, num_slots, head_dim]: separate buffers, like the weights,
 # so every layer's scatter updates its own donated buffer in place and no layer slice is ever copied.
 KVCache = tuple[list[jax.Array], list[jax.Array]]
-# A layer's matmul weights ([in, out] arrays), grouped by the input they multiply. Packed for the CPU kernel
-# (with_packed_weights), each group becomes one PackedWeight named "wq+wk+wv" etc.: one call instead of three.
+# A layer's matmul weights ([in, out] arrays), grouped by the input they multiply. Packed for the CPU kernels
+# (with_packed_weights), each group becomes one PackedWeight named "wq+wk+wv" etc.: one call instead of three
+# (the down projection's key stays "w_down": the group of one).
 PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
@@ -30,12 +31,36 @@ def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight) -> jax.Array
     return packed_matmul(x, w) if isinstance(w, PACKED_TYPES) else x @ w
 
 
-def project(x: jax.Array, layer: Params, names: tuple[str, ...]) -> list[jax.Array]:
-    """``x @ layer[name]`` for each of ``names`` (a group of PROJECTIONS), fused when packed."""
-    packed = layer.get("+".join(names))
-    if not isinstance(packed, PACKED_TYPES):
-        return [x @ layer[name] for name in names]
-    return jnp.split(packed_matmul(x, packed), np.cumsum(packed.splits)[:-1].tolist(), axis=-1)
+def _packed(layer: Params, names: tuple[str, ...]) -> PackedWeight | QuantWeight | None:
+    w = layer.get("+".join(names))
+    return w if isinstance(w, PACKED_TYPES) else None
+
+
+# The layer's three matmul blocks. Packed (the CPU kernels), each is one or two kernel calls with the
+# norm, SwiGLU and residual inside them; otherwise plain jnp.
+def _normed_qkv(h: jax.Array, layer: Params, eps: float) -> list[jax.Array]:
+    """q, k, v of ``rms_norm(h)``."""
+    if (packed := _packed(layer, ("wq", "wk", "wv"))) is not None:
+        qkv = packed_matmul(h, packed, norm=layer["attn_norm"], eps=eps)
+        return jnp.split(qkv, np.cumsum(packed.splits)[:-1].tolist(), axis=-1)
+    x = rms_norm(h, layer["attn_norm"], eps)
+    return [x @ layer[name] for name in ("wq", "wk", "wv")]
+
+
+def _attention_output(h: jax.Array, attn: jax.Array, layer: Params) -> jax.Array:
+    """``h + attn @ wo``."""
+    if (packed := _packed(layer, ("wo",))) is not None:
+        return packed_matmul(attn, packed, residual=h)
+    return h + attn @ layer["wo"]
+
+
+def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
+    """``h + (silu(x @ w_gate) * (x @ w_up)) @ w_down`` with ``x = rms_norm(h)``."""
+    if (packed := _packed(layer, ("w_gate", "w_up"))) is not None:
+        gate_up = packed_matmul(h, packed, norm=layer["mlp_norm"], eps=eps)
+        return packed_matmul(gate_up, layer["w_down"], swiglu=True, residual=h)
+    x = rms_norm(h, layer["mlp_norm"], eps)
+    return h + (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
 
 
 def with_packed_weights(params: Params, blocks: tuple[list[dict], Any] | None = None) -> Params:
@@ -91,8 +116,7 @@ def _layer(
     v_pool: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     num_tokens = h.shape[0]
-    x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project(x, layer, ("wq", "wk", "wv"))
+    q, k, v = _normed_qkv(h, layer, cfg.rms_norm_eps)
     if "bq" in layer:
         q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
     q = rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
@@ -102,11 +126,8 @@ def _layer(
     k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
     v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
     attn = attention(q, k_pool, v_pool, meta, cfg.head_dim**-0.5)
-    h = h + project(attn.reshape(num_tokens, -1), layer, ("wo",))[0]
-    x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = project(x, layer, ("w_gate", "w_up"))
-    h = h + project(jax.nn.silu(gate) * up, layer, ("w_down",))[0]
-    return h, k_pool, v_pool
+    h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
+    return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool
 
 
 def forward_hidden(
