@@ -60,8 +60,9 @@ def test_swiglu_prologue_on_large_activations():
 # ----------------------------------------------------------------------------------------- decode attention
 
 
-def decode_case(seed, q_heads, kv_heads, head_dim, kv_lens, *, extra_tokens=2, spread=1.0):
-    """A decode batch over shuffled pool slots; kv_len 0 rows are padding (q_len 0)."""
+def decode_case(seed, q_heads, kv_heads, head_dim, kv_lens, *, q_lens=None, extra_tokens=2, spread=1.0):
+    """A decode batch (or, with q_lens, an extend batch: each request's last q_len positions are new) over
+    shuffled pool slots; kv_len 0 rows are padding (q_len 0)."""
     rng = np.random.default_rng(seed)
     kv_lens = np.asarray(kv_lens, np.int32)
     batch, width = len(kv_lens), int(kv_lens.max()) + 3
@@ -72,12 +73,17 @@ def decode_case(seed, q_heads, kv_heads, head_dim, kv_lens, *, extra_tokens=2, s
     for b, n in enumerate(kv_lens):
         block_table[b, :n] = slots[offset: offset + n]
         offset += n
-    q_len = (kv_lens > 0).astype(np.int32)
-    q_start = np.cumsum(q_len) - q_len
-    meta = AttentionMetadata(jnp.asarray(np.maximum(kv_lens - 1, 0)), jnp.asarray(q_start.astype(np.int32)),
-                             jnp.asarray(q_len), jnp.asarray(block_table), jnp.asarray(kv_lens), 1)
+    q_len = (kv_lens > 0).astype(np.int32) if q_lens is None else np.asarray(q_lens, np.int32)
+    q_start = (np.cumsum(q_len) - q_len).astype(np.int32)
+    num_tokens = int(q_len.sum()) + extra_tokens
+    positions = np.zeros(num_tokens, np.int32)
+    for b in range(batch):
+        positions[q_start[b]: q_start[b] + q_len[b]] = kv_lens[b] - q_len[b] + np.arange(q_len[b])
+    max_q = 1 if q_lens is None else int(2 ** np.ceil(np.log2(max(q_len.max(), 1))))
+    meta = AttentionMetadata(jnp.asarray(positions), jnp.asarray(q_start), jnp.asarray(q_len),
+                             jnp.asarray(block_table), jnp.asarray(kv_lens), max_q)
     pool = lambda: jnp.asarray(rng.standard_normal((kv_heads, num_slots, head_dim), np.float32))
-    q = jnp.asarray(spread * rng.standard_normal((int(q_len.sum()) + extra_tokens, q_heads, head_dim), np.float32))
+    q = jnp.asarray(spread * rng.standard_normal((num_tokens, q_heads, head_dim), np.float32))
     return q, pool(), pool(), meta
 
 
@@ -100,9 +106,19 @@ def test_decode_attention_softmax_is_stable_for_large_scores():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
 
 
-def test_extend_steps_fall_back_to_native():
-    q, k, v, meta = decode_case(3, 9, 3, 64, [6, 9])
-    meta = AttentionMetadata(meta.positions, meta.q_start, meta.q_len, meta.block_table, meta.kv_lens, 4)
+def test_short_extend_matches_native():
+    """Jump-forward-like extends (a few new tokens per request, causal over them, full over the prefix, mixed
+    with decode rows and a padding row) run in the kernel and equal the native path."""
+    q, k, v, meta = decode_case(3, 9, 3, 64, [6, 40, 1, 0, 23], q_lens=[3, 11, 1, 0, 1])
+    assert meta.max_q_len == 16
+    got = jax.jit(cpu.cpu_paged_attention, static_argnums=4)(q, k, v, meta, 0.125)
+    want = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, 0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_long_extends_use_native():
+    q, k, v, meta = decode_case(4, 9, 3, 64, [30, 9], q_lens=[30, 2])
+    assert meta.max_q_len > cpu.MAX_KERNEL_EXTEND
     np.testing.assert_array_equal(np.asarray(cpu.cpu_paged_attention(q, k, v, meta, 0.125)),
                                   np.asarray(native_paged_attention(q, k, v, meta, 0.125)))
 

@@ -5,8 +5,8 @@
   exactly in registers: the same products, bit for bit, from 4-9 bits per weight). XLA's CPU dot repacks
   its weight operand on every call, which at the 1-16 rows of a decode step costs about as much as the
   multiply (a chain of [16, 576] x [576, 1536] products: XLA ~185 GFLOP/s, packed float32 ~330).
-* :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode reads each request's K/V rows in
-  place from the pool instead of gathering a copy; extend steps use the native path.
+* :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode and short extends (jump-forward) read
+  each request's K/V rows in place from the pool instead of gathering a copy; prefill uses the native path.
 
 The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
 ``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. Without a compiler or AVX-512,
@@ -40,7 +40,10 @@ log = logging.getLogger("jsgl.kernels.cpu")
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h")]
-_TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_decode_attention")
+_TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention")
+# Extend steps of at most this many new tokens per request (jump-forward) use the kernel too; longer ones
+# (prefill) the native path, since the kernel reads a request's K/V rows once per new token.
+MAX_KERNEL_EXTEND = 16
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
 _lock = threading.Lock()
 _status: dict[str, object] = {}
@@ -203,13 +206,14 @@ def decode_attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bo
 
 def cpu_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,
                         scale: float) -> jax.Array:
-    """Same contract as :func:`native_paged_attention`; decode runs in the C++ kernel."""
-    if not meta.is_decode or not decode_attention_supported(q.shape[1], k_pool.shape[0], q.shape[2]):
+    """Same contract as :func:`native_paged_attention`; decode and short extends run in the C++ kernel."""
+    if meta.max_q_len > MAX_KERNEL_EXTEND or not decode_attention_supported(q.shape[1], k_pool.shape[0],
+                                                                             q.shape[2]):
         return native_paged_attention(q, k_pool, v_pool, meta, scale)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("jsgl_paged_decode_attention", out)(
-        q.astype(jnp.float32), k_pool, v_pool, meta.block_table, meta.kv_lens, meta.q_start, meta.q_len,
-        scale=np.float32(scale))
+    return jax.ffi.ffi_call("jsgl_paged_attention", out)(
+        q.astype(jnp.float32), k_pool, v_pool, meta.positions, meta.block_table, meta.kv_lens, meta.q_start,
+        meta.q_len, scale=np.float32(scale))
 
 
 register_attention_backend("cpu", cpu_paged_attention)

@@ -1,7 +1,9 @@
-// Paged decode attention for the jitted step, called through XLA's FFI (built by jsgl/kernels/cpu.py).
+// Paged attention for decode and short extends, called through XLA's FFI (built by jsgl/kernels/cpu.py).
 //
-// jsgl_paged_decode_attention: one query token per request attends over its slots, read in place from
-//   the token-granular pool [Hkv, N, D] (XLA gathers a [B, Hkv, L, D] copy of K and V first).
+// jsgl_paged_attention: each new token of a request attends over the request's slots up to its own position,
+//   read in place from the token-granular pool [Hkv, N, D] (XLA gathers a [B, Hkv, L, D] copy of K and V
+//   first). K/V rows are read again for each new token, so it serves decode and extends of a few tokens
+//   (jump-forward); prefill stays on the native path.
 
 #include <cmath>
 #include <cstring>
@@ -44,106 +46,110 @@ inline void PrefetchRow(const float* row, int64_t head_dim) {
 
 constexpr int64_t kMaxGroup = 16;
 
-ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
-                                ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> block_table,
-                                ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_start,
-                                ffi::Buffer<ffi::S32> q_len, float scale, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_table,
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
+                          float scale, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), bd = block_table.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || bd.size() != 2 || kd[2] != qd[2] || qd[1] % kd[0] != 0 ||
       qd[2] % 16 != 0 || qd[2] > kMaxHeadDim || qd[1] / kd[0] > kMaxGroup) {
     return ffi::Error::InvalidArgument(
-        "jsgl_paged_decode_attention: expected q [T, Hq, D], pools [Hkv, N, D], D % 16 == 0, D <= 256");
+        "jsgl_paged_attention: expected q [T, Hq, D], pools [Hkv, N, D], D % 16 == 0, D <= 256");
   }
   const int64_t num_tokens = qd[0], q_heads = qd[1], head_dim = qd[2];
   const int64_t kv_heads = kd[0], num_slots = kd[1], batch = bd[0], max_len = bd[1];
   const int64_t group = q_heads / kv_heads;
   const float *qs = q.typed_data(), *ks = k_pool.typed_data(), *vs = v_pool.typed_data();
-  const int32_t *table = block_table.typed_data(), *lens = kv_lens.typed_data();
+  const int32_t *table = block_table.typed_data(), *lens = kv_lens.typed_data(), *pos = positions.typed_data();
   const int32_t *starts = q_start.typed_data(), *counts = q_len.typed_data();
   float* os = out->typed_data();
   std::memset(os, 0, sizeof(float) * num_tokens * q_heads * head_dim);  // padding rows stay zero
 
   ParallelFor(batch * kv_heads, [&](int64_t item) {
     const int64_t b = item / kv_heads, h = item % kv_heads;
-    const int64_t len = std::min<int64_t>(lens[b], max_len);
-    const int64_t row = starts[b];
-    if (counts[b] <= 0 || len <= 0 || row < 0 || row >= num_tokens) return;
     const int32_t* slots = table + b * max_len;
     const float* k_head = ks + h * num_slots * head_dim;
     const float* v_head = vs + h * num_slots * head_dim;
-    const float* q_rows = qs + (row * q_heads + h * group) * head_dim;  // this kv head's query group
-    const int64_t vecs = head_dim / 16, padded = (len + 15) / 16 * 16;
-    __m512 query[kMaxGroup][kMaxHeadDim / 16];  // pre-scaled
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t i = 0; i < vecs; ++i)
-        query[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q_rows + g * head_dim + 16 * i), _mm512_set1_ps(scale));
-    // Scores, 16 keys at a time: each key leaves one vector of partial products per query head, and
-    // SumLanes16 finishes the 16 dot products together. Keys past len score -inf (weight 0).
-    thread_local std::vector<float> scores;
-    scores.resize(group * padded);
-    for (int64_t j = 0; j < std::min(len, kPrefetchKeys); ++j) PrefetchRow(k_head + slots[j] * head_dim, head_dim);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - j0);
-      __m512 partial[kMaxGroup][16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        const int64_t j = j0 + jj;
-        if (j + kPrefetchKeys < len) PrefetchRow(k_head + slots[j + kPrefetchKeys] * head_dim, head_dim);
-        if (j < len) PrefetchRow(v_head + slots[j] * head_dim, head_dim);  // for the weighted sum below
-        for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_setzero_ps();
-        if (jj >= n) continue;
-        const float* key = k_head + static_cast<int64_t>(slots[j]) * head_dim;
+    for (int64_t t = 0; t < counts[b]; ++t) {  // a request's new tokens: keys up to each one's position
+      const int64_t row = starts[b] + t;
+      if (row < 0 || row >= num_tokens) continue;
+      const int64_t len = std::min<int64_t>({pos[row] + 1, lens[b], max_len});
+      if (len <= 0) continue;
+      const float* q_rows = qs + (row * q_heads + h * group) * head_dim;  // this kv head's query group
+      const int64_t vecs = head_dim / 16, padded = (len + 15) / 16 * 16;
+      __m512 query[kMaxGroup][kMaxHeadDim / 16];  // pre-scaled
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < vecs; ++i)
+          query[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q_rows + g * head_dim + 16 * i), _mm512_set1_ps(scale));
+      // Scores, 16 keys at a time: each key leaves one vector of partial products per query head, and
+      // SumLanes16 finishes the 16 dot products together. Keys past len score -inf (weight 0).
+      thread_local std::vector<float> scores;
+      scores.resize(group * padded);
+      for (int64_t j = 0; j < std::min(len, kPrefetchKeys); ++j) PrefetchRow(k_head + slots[j] * head_dim, head_dim);
+      for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t n = std::min<int64_t>(16, len - j0);
+        __m512 partial[kMaxGroup][16];
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          const int64_t j = j0 + jj;
+          if (j + kPrefetchKeys < len) PrefetchRow(k_head + slots[j + kPrefetchKeys] * head_dim, head_dim);
+          if (j < len) PrefetchRow(v_head + slots[j] * head_dim, head_dim);  // for the weighted sum below
+          for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_setzero_ps();
+          if (jj >= n) continue;
+          const float* key = k_head + static_cast<int64_t>(slots[j]) * head_dim;
+          for (int64_t i = 0; i < vecs; ++i) {
+            const __m512 k = _mm512_loadu_ps(key + 16 * i);
+            for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_fmadd_ps(query[g][i], k, partial[g][jj]);
+          }
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+        for (int64_t g = 0; g < group; ++g)
+          _mm512_storeu_ps(scores.data() + g * padded + j0,
+                           _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), SumLanes16(partial[g])));
+      }
+      float inv_sum[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * padded;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) {
+          const __m512 x = _mm512_loadu_ps(s + j);
+          const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                                _mm512_setzero_ps(), Exp(_mm512_sub_ps(x, shift)));
+          _mm512_storeu_ps(s + j, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      __m512 acc[kMaxGroup][kMaxHeadDim / 16];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < vecs; ++i) acc[g][i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len; ++j) {
+        const float* value = v_head + static_cast<int64_t>(slots[j]) * head_dim;
         for (int64_t i = 0; i < vecs; ++i) {
-          const __m512 k = _mm512_loadu_ps(key + 16 * i);
-          for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_fmadd_ps(query[g][i], k, partial[g][jj]);
+          const __m512 v = _mm512_loadu_ps(value + 16 * i);
+          for (int64_t g = 0; g < group; ++g)
+            acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + j]), v, acc[g][i]);
         }
       }
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      float* o_rows = os + (row * q_heads + h * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
-        _mm512_storeu_ps(scores.data() + g * padded + j0,
-                         _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), SumLanes16(partial[g])));
+        for (int64_t i = 0; i < vecs; ++i)
+          _mm512_storeu_ps(o_rows + g * head_dim + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
     }
-    float inv_sum[kMaxGroup];
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores.data() + g * padded;
-      __m512 top = _mm512_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-      const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < padded; j += 16) {
-        const __m512 x = _mm512_loadu_ps(s + j);
-        const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                              _mm512_setzero_ps(), Exp(_mm512_sub_ps(x, shift)));
-        _mm512_storeu_ps(s + j, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
-    }
-    __m512 acc[kMaxGroup][kMaxHeadDim / 16];
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t i = 0; i < vecs; ++i) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const float* value = v_head + static_cast<int64_t>(slots[j]) * head_dim;
-      for (int64_t i = 0; i < vecs; ++i) {
-        const __m512 v = _mm512_loadu_ps(value + 16 * i);
-        for (int64_t g = 0; g < group; ++g)
-          acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + j]), v, acc[g][i]);
-      }
-    }
-    float* o_rows = os + (row * q_heads + h * group) * head_dim;
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t i = 0; i < vecs; ++i)
-        _mm512_storeu_ps(o_rows + g * head_dim + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_paged_decode_attention, PagedDecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_paged_attention, PagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
