@@ -199,15 +199,15 @@ def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight, *, norm: jax.Arra
     return y.reshape(*x.shape[:-1], n)
 
 
-def decode_attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Shapes the C++ decode kernel handles (head_dim a multiple of 16 up to 256, GQA group <= 16)."""
+def attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Shapes the C++ attention kernel handles (head_dim a multiple of 16 up to 256, GQA group <= 16)."""
     return head_dim % 16 == 0 and head_dim <= 256 and q_heads % kv_heads == 0 and q_heads // kv_heads <= 16
 
 
 def cpu_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,
                         scale: float) -> jax.Array:
     """Same contract as :func:`native_paged_attention`; decode and short extends run in the C++ kernel."""
-    if meta.max_q_len > MAX_KERNEL_EXTEND or not decode_attention_supported(q.shape[1], k_pool.shape[0],
+    if meta.max_q_len > MAX_KERNEL_EXTEND or not attention_supported(q.shape[1], k_pool.shape[0],
                                                                              q.shape[2]):
         return native_paged_attention(q, k_pool, v_pool, meta, scale)
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
