@@ -155,20 +155,27 @@ def test_gguf_blocks_are_the_dequantized_weights(smollm):
     np.testing.assert_array_equal(np.repeat(head.d, 32, axis=1) * head.q, params["embed"])
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 40])  # wide, 16-column, dequantized-panel paths
-def test_quant_matmul_equals_float32_kernel_bitwise(smollm, m):
-    """The kernel over GGUF blocks dequantizes exactly and sums in the float32 kernel's order."""
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 40])  # wide (folded scales), 16-column, dequantized paths
+def test_quant_matmul_matches_float32_kernel(smollm, m):
+    """The kernel over GGUF blocks dequantizes exactly. From 5 rows on it also sums in the float32 kernel's
+    order, bit for bit; up to 4 rows it takes the block scales out of the inner sum, so only the rounding
+    differs: its error against float64 stays within that of the float32 kernel."""
     _, params, (layers, head) = smollm
     rng = np.random.default_rng(m)
-    for names, k in ((("wq", "wk", "wv"), 576), (("w_down",), 1536)):
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-        quant = cpu.pack_quant([layers[3][name] for name in names])
-        dense = cpu.pack_weight([jnp.asarray(params["layers"][3][name]) for name in names])
-        assert quant.kind == "q4_1" and quant.splits == dense.splits
-        np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x, quant)), np.asarray(cpu.packed_matmul(x, dense)))
-    x = jnp.asarray(rng.standard_normal((m, 576), np.float32))
-    np.testing.assert_array_equal(np.asarray(cpu.packed_matmul(x, cpu.pack_quant([head]))),
-                                  np.asarray(cpu.packed_matmul(x, cpu.pack_weight([jnp.asarray(params["embed"]).T]))))
+    cases = [([layers[3][name] for name in names], [params["layers"][3][name] for name in names], k)
+             for names, k in ((("wq", "wk", "wv"), 576), (("w_down",), 1536))]
+    cases.append(([head], [params["embed"].T], 576))
+    for blocks, weights, k in cases:
+        x = rng.standard_normal((m, k), np.float32)
+        quant, dense = cpu.pack_quant(blocks), cpu.pack_weight([jnp.asarray(w) for w in weights])
+        assert quant.kind == blocks[0].kind and quant.splits == dense.splits
+        got = np.asarray(cpu.packed_matmul(jnp.asarray(x), quant))
+        want = np.asarray(cpu.packed_matmul(jnp.asarray(x), dense))
+        if m > 4:
+            np.testing.assert_array_equal(got, want)
+        else:
+            exact = x.astype(np.float64) @ np.concatenate(weights, axis=1).astype(np.float64)
+            assert np.abs(got - exact).max() <= 2 * np.abs(want - exact).max()
 
 
 def test_kernel_backends_match_xla_in_the_model(smollm, tokenizer):
@@ -196,4 +203,4 @@ def test_kernel_backends_match_xla_in_the_model(smollm, tokenizer):
         assert prefill.tokens[0] == xla_prefill.tokens[0] and decode.tokens[0] == xla_decode.tokens[0]
         np.testing.assert_array_equal(decode.top_logprobs[1], xla_decode.top_logprobs[1])
         np.testing.assert_allclose(decode.top_logprobs[0], xla_decode.top_logprobs[0], atol=1e-4)
-    np.testing.assert_array_equal(out["gguf"][1].top_logprobs[0], out["packed"][1].top_logprobs[0])
+    np.testing.assert_allclose(out["gguf"][1].top_logprobs[0], out["packed"][1].top_logprobs[0], atol=1e-5)

@@ -101,6 +101,12 @@ def unavailable_reason() -> str | None:
     return None if available() else str(_status.get("error"))
 
 
+def _require() -> None:
+    """Builds and registers the kernels before a call site traces one (or says why it cannot)."""
+    if not available():
+        raise RuntimeError(f"the jsgl CPU kernels are unavailable: {unavailable_reason()}")
+
+
 def resolve_matmul_backend(name: str, tp: int = 1) -> str:
     """``xla``: XLA's dot. ``packed``: the kernel over float32 panels. ``gguf``: the kernel over the GGUF
     file's own Q4_1/Q8_0 blocks where it has them (else float32 panels). ``auto``: ``gguf`` on a CPU that
@@ -142,12 +148,12 @@ def pack_weight(weights: list[jax.Array]) -> PackedWeight:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
-    """Like :class:`PackedWeight`, in the GGUF file's blocks of 32 along K (kind ``q4_1`` or ``q8_0``):
-    ``codes [P, K/2, 48]`` uint8 (Q4_1: rows k, k+1 in the low, high nibble) or ``[P, K, 48]`` (Q8_0, int8
-    bits), ``scales [P, K/32, 2 or 1, 48]`` float32 (d, and m for Q4_1)."""
+    """Like :class:`PackedWeight`, in the GGUF file's blocks of 32 along K (kind ``q4_1`` or ``q8_0``), at the
+    file's size: ``blocks [P, K/32, B]`` uint8, each block of a panel the float16 scales ``[S, 48]`` (d, and m
+    for Q4_1) then the codes ``[16, 48]`` (Q4_1: rows 2t, 2t+1 of the block in the low, high nibble of byte
+    row t) or ``[32, 48]`` (Q8_0, int8 bits): B = 960 or 1632."""
 
-    codes: jax.Array
-    scales: jax.Array
+    blocks: jax.Array
     kind: str = dataclasses.field(metadata=dict(static=True))
     splits: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
@@ -164,18 +170,22 @@ def pack_quant(blocks: list[QuantBlocks]) -> QuantWeight:
     kind = blocks[0].kind
     if any(b.kind != kind for b in blocks):
         raise ValueError("pack_quant: matrices of one quantization kind only")
-    q = np.concatenate([b.q for b in blocks])  # [N, K]
+    q = np.concatenate([b.q for b in blocks]).view(np.uint8)  # [N, K]
     n, k = q.shape
     num_panels = -(-n // PANEL)
-    pad = lambda a: np.pad(a, ((0, num_panels * PANEL - n), (0, 0))).reshape(num_panels, PANEL, -1)
-    q = pad(q.view(np.uint8))
-    codes = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)) if kind == "q4_1" else q
+    # [N, ...] -> [P, K/32, rows, 48]: panel, block, row within the block, column
+    blocked = lambda a: np.pad(a, ((0, num_panels * PANEL - n), (0, 0))).reshape(
+        num_panels, PANEL, k // 32, -1).transpose(0, 2, 3, 1)
+    codes = blocked(q)
+    if kind == "q4_1":
+        codes = codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)
     scales = [np.concatenate([b.d for b in blocks])]
     if kind == "q4_1":
         scales.append(np.concatenate([b.m for b in blocks]))
-    scales = np.stack([pad(s).transpose(0, 2, 1) for s in scales], axis=2)  # [P, K/32, S, 48]
-    return QuantWeight(jnp.asarray(np.ascontiguousarray(codes.transpose(0, 2, 1))),
-                       jnp.asarray(np.ascontiguousarray(scales, np.float32)), kind, tuple(b.q.shape[0] for b in blocks))
+    # Back to float16, exactly: the file's scales are float16.
+    scales = [np.ascontiguousarray(blocked(s.astype(np.float16))).view(np.uint8) for s in scales]
+    packed = np.concatenate([a.reshape(num_panels, k // 32, -1) for a in [*scales, codes]], axis=-1)
+    return QuantWeight(jnp.asarray(packed), kind, tuple(b.q.shape[0] for b in blocks))
 
 
 def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight, *, norm: jax.Array | None = None, eps: float = 0.0,
@@ -186,6 +196,7 @@ def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight, *, norm: jax.Arra
     ``norm`` (weight [K]): multiply ``rms_norm(x, eps) * norm``; ``swiglu``: x is [..., 2K] (gate | up),
     multiply ``silu(gate) * up``; ``residual`` [..., N]: return ``residual + x @ W``.
     """
+    _require()
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     n = w.out_features
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
@@ -193,7 +204,7 @@ def packed_matmul(x: jax.Array, w: PackedWeight | QuantWeight, *, norm: jax.Arra
              jnp.zeros((0, 0), jnp.float32) if residual is None else residual.reshape(-1, n).astype(jnp.float32))
     attrs = {"eps": np.float32(eps), "swiglu": bool(swiglu)}
     if isinstance(w, QuantWeight):
-        y = jax.ffi.ffi_call(f"jsgl_{w.kind}_matmul", out)(rows, w.codes, w.scales, *fused, **attrs)
+        y = jax.ffi.ffi_call(f"jsgl_{w.kind}_matmul", out)(rows, w.blocks, *fused, **attrs)
     else:
         y = jax.ffi.ffi_call("jsgl_packed_matmul", out)(rows, w.panels, *fused, **attrs)
     return y.reshape(*x.shape[:-1], n)
@@ -210,6 +221,7 @@ def cpu_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta
     if meta.max_q_len > MAX_KERNEL_EXTEND or not attention_supported(q.shape[1], k_pool.shape[0],
                                                                              q.shape[2]):
         return native_paged_attention(q, k_pool, v_pool, meta, scale)
+    _require()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jsgl_paged_attention", out)(
         q.astype(jnp.float32), k_pool, v_pool, meta.positions, meta.block_table, meta.kv_lens, meta.q_start,

@@ -27,6 +27,12 @@ constexpr int64_t kRows = 8;    // rows of one micro-kernel call: 8 x 3 accumula
 // matmul at ~40 GB/s of weights; with it ~54, and 16-row matmuls ran ~15% faster too.
 constexpr int64_t kPrefetchRows = 32;
 
+// Panels per task: runs of neighbouring panels, about two per thread, so each thread reads long
+// contiguous streams (one panel per task left a 48-column decode matmul at ~30 GB/s, runs ~45).
+inline int64_t PanelGrain(int64_t num_panels) {
+  return std::max<int64_t>(1, num_panels / (2 * jsgl::Helpers::Get().threads()));
+}
+
 // Stores the first `cols` (<= 48) of three vectors.
 inline void StoreColumns(float* y, const __m512 v[3], int64_t cols) {
   for (int j = 0; j < 3; ++j) {
@@ -39,31 +45,55 @@ inline void StoreColumns(float* y, const __m512 v[3], int64_t cols) {
   }
 }
 
-// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] for R rows.
-template <int R>
+// Matmuls of up to this many rows keep two accumulator sets, for even and odd k, added at the end: one or
+// two rows have too few independent FMA chains (3 or 6) to hide the FMA latency. The quantized kernels
+// sum in the same order, so every path still gives the float32 kernel's sums bit for bit.
+constexpr int64_t kSplitRows = 2;
+
+// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] for R rows (kSplit: even and odd k apart, then added).
+template <int R, bool kSplit>
 void MicroKernel(const float* x, int64_t ldx, const float* panel, int64_t k_dim, float* y, int64_t ldy,
                  int64_t cols) {
-  __m512 acc[R][3];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_dim; ++k) {
+  constexpr int kSets = kSplit ? 2 : 1;
+  __m512 acc[kSets][R][3];
+  for (int s = 0; s < kSets; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = acc[s][r][2] = _mm512_setzero_ps();
+  const auto step = [&](int64_t k, __m512 (&a_set)[R][3]) {
     const float* b = panel + k * kPanel;
     for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kPanel + 16 * j), _MM_HINT_T0);
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      a_set[r][0] = _mm512_fmadd_ps(a, b0, a_set[r][0]);
+      a_set[r][1] = _mm512_fmadd_ps(a, b1, a_set[r][1]);
+      a_set[r][2] = _mm512_fmadd_ps(a, b2, a_set[r][2]);
+    }
+  };
+  int64_t k = 0;
+  if constexpr (kSets == 2) {
+    for (; k + 2 <= k_dim; k += 2) {
+      step(k, acc[0]);
+      step(k + 1, acc[1]);
     }
   }
-  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[r], cols);
+  for (; k < k_dim; ++k) step(k, acc[0]);
+  if constexpr (kSets == 2)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 3; ++j) acc[0][r][j] = _mm512_add_ps(acc[0][r][j], acc[1][r][j]);
+  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[0][r], cols);
 }
 
 using MicroKernelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,         MicroKernel<1>, MicroKernel<2>,
-                                                    MicroKernel<3>, MicroKernel<4>, MicroKernel<5>,
-                                                    MicroKernel<6>, MicroKernel<7>, MicroKernel<8>};
+constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,                MicroKernel<1, false>, MicroKernel<2, false>,
+                                                    MicroKernel<3, false>, MicroKernel<4, false>, MicroKernel<5, false>,
+                                                    MicroKernel<6, false>, MicroKernel<7, false>, MicroKernel<8, false>};
+constexpr MicroKernelFn kSplitMicroKernels[kSplitRows + 1] = {nullptr, MicroKernel<1, true>, MicroKernel<2, true>};
+
+// The kernel for a block of `rows` of a matmul of m_dim rows.
+inline MicroKernelFn PickMicroKernel(int64_t rows, int64_t m_dim) {
+  return m_dim <= kSplitRows ? kSplitMicroKernels[rows] : kMicroKernels[rows];
+}
 
 // The elementwise work around a layer's matmuls, done here instead of in XLA ops of ~10 us each:
 // before, x <- rms_norm(x) * norm (norm: [K]) or x [M, 2K] <- silu(x[:, :K]) * x[:, K:] (swiglu);
@@ -141,7 +171,7 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     for (int64_t m = 0; m < m_dim; m += kRows) {
       const int64_t rows = std::min(kRows, m_dim - m);
-      kMicroKernels[rows](xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+      PickMicroKernel(rows, m_dim)(xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
     }
     fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
   });
@@ -149,43 +179,92 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
 }
 
 // GGUF blocks of 32 weights along K, as packed by jsgl/kernels/cpu.py: Q4_1 is w = d * q + m with q in
-// 0..15 (one byte holds rows k and k+1: low nibble, high nibble), Q8_0 is w = d * q with q int8. d is a
-// float16, so d * q is exact in float32 and every weight equals gguf's float32 dequantization.
+// 0..15, Q8_0 is w = d * q with q int8. d and m are float16, so d * q (+ m) is exact in float32 and every
+// weight equals gguf's float32 dequantization.
 //
-// y[0:R, 0:cols] = x[0:R, :] @ W[:, 16 columns]: each row of 16 weights is dequantized in registers and
-// used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and dequantizes each
-// weight once per 16 rows.
+// A panel of 48 columns is K/32 such blocks in a row, each one contiguous run of bytes, so a panel is one
+// read stream: the scales as float16 [S][48] (d, then m for Q4_1), then the codes [32 / kRowsPerByte][48]
+// (Q4_1: one byte holds rows 2t and 2t + 1 in its low and high nibble). That is the file's own size:
+// 960 bytes per 32 x 48 weights for Q4_1, 1632 for Q8_0.
+template <bool kQ4>
+struct QuantBlock {
+  static constexpr int64_t kScales = kQ4 ? 2 : 1;
+  static constexpr int64_t kRowsPerByte = kQ4 ? 2 : 1;
+  static constexpr int64_t kCodeOffset = kScales * kPanel * 2;
+  static constexpr int64_t kBytes = kCodeOffset + 32 / kRowsPerByte * kPanel;
+
+  // d and m of columns [c, c + 16) of a block.
+  static __m512 D(const uint8_t* block, int64_t c) { return Half(block + 2 * c); }
+  static __m512 M(const uint8_t* block, int64_t c) {
+    return kQ4 ? Half(block + 2 * (kPanel + c)) : _mm512_setzero_ps();
+  }
+
+  // Weights of rows 2t and 2t + 1 (t < 16) of a block, columns [c, c + 16).
+  static void Pair(const uint8_t* block, int64_t t, int64_t c, __m512 d, __m512 m, __m512& w0, __m512& w1) {
+    const uint8_t* codes = block + kCodeOffset + c;
+    if constexpr (kQ4) {
+      const __m512i q = _mm512_cvtepu8_epi32(Bytes(codes + t * kPanel));
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d, m);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+    } else {
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + 2 * t * kPanel))), d);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + (2 * t + 1) * kPanel))), d);
+    }
+  }
+
+  // The codes themselves (as floats) of rows 2t and 2t + 1, columns [c, c + 16).
+  static void Codes(const uint8_t* block, int64_t t, int64_t c, __m512& q0, __m512& q1) {
+    const uint8_t* codes = block + kCodeOffset + c;
+    if constexpr (kQ4) {
+      const __m512i q = _mm512_cvtepu8_epi32(Bytes(codes + t * kPanel));
+      q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
+      q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    } else {
+      q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + 2 * t * kPanel)));
+      q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + (2 * t + 1) * kPanel)));
+    }
+  }
+
+  // Prefetches the stream kPrefetchBytes past the code rows of pair t.
+  static void Prefetch(const uint8_t* block, int64_t t) {
+    const char* p = reinterpret_cast<const char*>(block + kCodeOffset + 2 * t / kRowsPerByte * kPanel);
+    _mm_prefetch(p + kPrefetchBytes, _MM_HINT_T0);
+    if constexpr (!kQ4) _mm_prefetch(p + kPrefetchBytes + kPanel, _MM_HINT_T0);
+  }
+
+ private:
+  static constexpr int64_t kPrefetchBytes = 1536;
+  static __m128i Bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static __m512 Half(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+};
+
+// y[0:R, 0:cols] = x[0:R, :] @ W[:, columns c .. c + 16 of a panel]: each row of 16 weights is dequantized
+// in registers and used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and
+// dequantizes each weight once per 16 rows.
 constexpr int64_t kQuantRows = 16;
 
 // x_t is x transposed, [K][16]: one base address serves every row (GCC spilled 16 row pointers of x
 // [R, K] into vector registers inside the loop).
 template <int R, bool kQ4>
-void QuantMicroKernel(const float* x_t, const uint8_t* codes, const float* scales, int64_t k_dim, float* y,
-                      int64_t ldy, int64_t cols) {
-  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
+void QuantMicroKernel(const float* x_t, const uint8_t* panel, int64_t c, int64_t k_dim, float* y, int64_t ldy,
+                      int64_t cols) {
+  using Block = QuantBlock<kQ4>;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low_nibble = _mm512_set1_epi32(15);
   for (int64_t b = 0; b < k_dim / 32; ++b) {
-    const __m512 d = _mm512_loadu_ps(scales + b * kScales * kPanel);
-    const __m512 m = kQ4 ? _mm512_loadu_ps(scales + b * kScales * kPanel + kPanel) : _mm512_setzero_ps();
-    for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
-      const uint8_t* c = codes + k / kRowsPerByte * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(c + 32 * kPanel), _MM_HINT_T0);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-      if constexpr (kQ4) {
-        const __m512i q = _mm512_cvtepu8_epi32(bytes);
-        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d, m);
-        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+    const uint8_t* block = panel + b * Block::kBytes;
+    const __m512 d = Block::D(block, c), m = Block::M(block, c);
+    for (int64_t t = 0; t < 16; ++t) {
+      Block::Prefetch(block, t);
+      __m512 w0, w1;
+      Block::Pair(block, t, c, d, m, w0, w1);
+      const float* x0 = x_t + (32 * b + 2 * t) * kQuantRows;
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[k * kQuantRows + r]), w0, acc[r]);
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[(k + 1) * kQuantRows + r]), w1, acc[r]);
-        }
-      } else {
-        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x_t[k * kQuantRows + r]), w, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), w0, acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[kQuantRows + r]), w1, acc[r]);
       }
     }
   }
@@ -196,60 +275,61 @@ void QuantMicroKernel(const float* x_t, const uint8_t* codes, const float* scale
 // The same weights written out as a float32 panel [K, 48]: for many rows, dequantizing each weight once
 // into cache and running the float32 micro-kernel beats dequantizing it again for every 16 rows.
 template <bool kQ4>
-void DequantizePanel(const uint8_t* codes, const float* scales, int64_t k_dim, float* out) {
-  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
-  const __m512i low_nibble = _mm512_set1_epi32(15);
+void DequantizePanel(const uint8_t* panel, int64_t k_dim, float* out) {
+  using Block = QuantBlock<kQ4>;
   for (int64_t b = 0; b < k_dim / 32; ++b) {
-    for (int j = 0; j < 3; ++j) {
-      const float* s = scales + b * kScales * kPanel + 16 * j;
-      const __m512 d = _mm512_loadu_ps(s), m = kQ4 ? _mm512_loadu_ps(s + kPanel) : _mm512_setzero_ps();
-      for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k / kRowsPerByte * kPanel + 16 * j));
-        float* row = out + k * kPanel + 16 * j;
-        if constexpr (kQ4) {
-          const __m512i q = _mm512_cvtepu8_epi32(bytes);
-          _mm512_storeu_ps(row, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d, m));
-          _mm512_storeu_ps(row + kPanel, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m));
-        } else {
-          _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d));
-        }
+    const uint8_t* block = panel + b * Block::kBytes;
+    for (int64_t c = 0; c < kPanel; c += 16) {
+      const __m512 d = Block::D(block, c), m = Block::M(block, c);
+      for (int64_t t = 0; t < 16; ++t) {
+        __m512 w0, w1;
+        Block::Pair(block, t, c, d, m, w0, w1);
+        float* row = out + (32 * b + 2 * t) * kPanel + c;
+        _mm512_storeu_ps(row, w0);
+        _mm512_storeu_ps(row + kPanel, w1);
       }
     }
   }
 }
 
-// The same for R <= 4 rows over all 48 columns of a panel: three independent accumulator chains per row
-// instead of one, since a single row is bound by the FMA latency, not by its throughput.
+// The same for R <= 4 rows over all 48 columns of a panel, with the scales taken out of the inner loop:
+// sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k per block, which halves the FMAs per weight (the
+// kernel is bound by them at one row). The weights are the same; the sums differ from the float32 kernel's
+// by rounding only. Three independent accumulator chains per row, since a single row is bound by the FMA
+// latency, and for R <= 2 two sets of them (even and odd k).
+// x_sums [R][K/32]: each row's sum over each block.
 template <int R, bool kQ4>
-void QuantMicroKernelWide(const float* x, int64_t ldx, const uint8_t* codes, const float* scales, int64_t k_dim,
+void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim,
                           float* y, int64_t ldy, int64_t cols) {
-  constexpr int64_t kScales = kQ4 ? 2 : 1, kRowsPerByte = kQ4 ? 2 : 1;
+  using Block = QuantBlock<kQ4>;
+  constexpr int kSets = R <= kSplitRows ? 2 : 1;
+  const int64_t num_blocks = k_dim / 32;
   __m512 acc[R][3];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-  const __m512i low_nibble = _mm512_set1_epi32(15);
-  for (int64_t b = 0; b < k_dim / 32; ++b) {
-    __m512 d[3], m[3];
-    for (int j = 0; j < 3; ++j) {
-      d[j] = _mm512_loadu_ps(scales + b * kScales * kPanel + 16 * j);
-      m[j] = kQ4 ? _mm512_loadu_ps(scales + b * kScales * kPanel + kPanel + 16 * j) : _mm512_setzero_ps();
-    }
-    for (int64_t k = 32 * b; k < 32 * (b + 1); k += kRowsPerByte) {
-      const uint8_t* c = codes + k / kRowsPerByte * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(c + 32 * kPanel), _MM_HINT_T0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint8_t* block = panel + b * Block::kBytes;
+    __m512 dot[kSets][R][3];  // sum_k x_k q_k over this block
+    for (int s = 0; s < kSets; ++s)
+      for (int r = 0; r < R; ++r) dot[s][r][0] = dot[s][r][1] = dot[s][r][2] = _mm512_setzero_ps();
+    auto& odd = dot[kSets - 1];
+    for (int64_t t = 0; t < 16; ++t) {
+      Block::Prefetch(block, t);
+      const int64_t k = 32 * b + 2 * t;
       for (int j = 0; j < 3; ++j) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j));
-        if constexpr (kQ4) {
-          const __m512i q = _mm512_cvtepu8_epi32(bytes);
-          const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), d[j], m[j]);
-          const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[j], m[j]);
-          for (int r = 0; r < R; ++r) {
-            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w0, acc[r][j]);
-            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), w1, acc[r][j]);
-          }
-        } else {
-          const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), d[j]);
-          for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r][j]);
+        __m512 q0, q1;
+        Block::Codes(block, t, 16 * j, q0, q1);
+        for (int r = 0; r < R; ++r) {
+          dot[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), q0, dot[0][r][j]);
+          odd[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), q1, odd[r][j]);
         }
+      }
+    }
+    for (int j = 0; j < 3; ++j) {
+      const __m512 d = Block::D(block, 16 * j), m = Block::M(block, 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = kSets == 2 ? _mm512_add_ps(dot[0][r][j], odd[r][j]) : dot[0][r][j];
+        acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
+        if constexpr (kQ4) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + b]), acc[r][j]);
       }
     }
   }
@@ -259,8 +339,8 @@ void QuantMicroKernelWide(const float* x, int64_t ldx, const uint8_t* codes, con
 constexpr int64_t kWideRows = 4;
 constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
 static_assert(kDequantizeAbove <= kQuantRows, "the 16-column kernel takes all rows at once");
-using QuantMicroKernelFn = void (*)(const float*, const uint8_t*, const float*, int64_t, float*, int64_t, int64_t);
-using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const uint8_t*, const float*, int64_t, float*, int64_t,
+using QuantMicroKernelFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t,
                                         int64_t);
 template <bool kQ4, int... R>
 constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
@@ -271,31 +351,27 @@ constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(
   return {nullptr, QuantMicroKernelWide<R + 1, kQ4>...};
 }
 
-// codes [P, K/2, 48] (Q4_1) or [P, K, 48] (Q8_0), scales [P, K/32, 2 or 1, 48]; one task per panel: its
-// three 16-column groups in turn (they share the panel's code bytes in cache), or, for many rows, the
-// dequantized panel, or for at most 4 rows all 48 columns at once. All give the float32 kernel's sums, bit
-// for bit.
+// blocks [P, K/32, QuantBlock::kBytes]; one task per panel: for at most 4 rows all 48 columns at once, for
+// up to 16 its three 16-column groups in turn (they share the panel's bytes in cache), for more the
+// dequantized panel. All give the float32 kernel's sums, bit for bit.
 template <bool kQ4>
-ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                       ffi::Buffer<ffi::F32> norm, ffi::Buffer<ffi::F32> residual, float eps, bool swiglu,
-                       ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> norm,
+                       ffi::Buffer<ffi::F32> residual, float eps, bool swiglu, ffi::ResultBuffer<ffi::F32> y) {
+  using Block = QuantBlock<kQ4>;
   static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
   static constexpr auto wide_kernels = WideQuantKernels<kQ4>(std::make_integer_sequence<int, kWideRows>());
-  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  const int64_t rows_per_byte = kQ4 ? 2 : 1, num_scales = kQ4 ? 2 : 1;
+  const auto xd = x.dimensions(), bd = blocks.dimensions(), yd = y->dimensions();
   const int64_t k_dim = xd.size() == 2 ? xd[1] / (swiglu ? 2 : 1) : -1;
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 4 || yd.size() != 2 || k_dim % 32 != 0 ||
-      cd[1] * rows_per_byte != k_dim || cd[2] != kPanel || sd[0] != cd[0] || sd[1] * 32 != k_dim ||
-      sd[2] != num_scales || sd[3] != kPanel || yd[0] != xd[0] || yd[1] > cd[0] * kPanel) {
-    return ffi::Error::InvalidArgument("jsgl_quant_matmul: codes/scales do not match x [M, K] and y [M, N]");
+  if (xd.size() != 2 || bd.size() != 3 || yd.size() != 2 || k_dim % 32 != 0 || bd[1] * 32 != k_dim ||
+      bd[2] != Block::kBytes || yd[0] != xd[0] || yd[1] > bd[0] * kPanel) {
+    return ffi::Error::InvalidArgument("jsgl_quant_matmul: blocks do not match x [M, K] and y [M, N]");
   }
   const int64_t m_dim = xd[0], n_dim = yd[1];
   const auto fusion = Fusion::Decode(norm, eps, swiglu, residual, m_dim, k_dim, n_dim);
   if (!fusion) return ffi::Error::InvalidArgument("jsgl matmul: bad norm / residual shapes");
   thread_local std::vector<float> input;
   const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
-  const uint8_t* cs = codes.typed_data();
-  const float* ss = scales.typed_data();
+  const uint8_t* bs = blocks.typed_data();
   float* ys = y->typed_data();
   // x transposed for the 16-column kernel (rows past m_dim are never read). The tasks get its address:
   // the helpers would see their own thread_local buffer.
@@ -306,33 +382,37 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes, ffi:
       for (int64_t r = 0; r < m_dim; ++r) x_t_buffer[k * kQuantRows + r] = xs[r * k_dim + k];
   }
   const float* x_t = x_t_buffer.data();
+  // Each row's sums over the blocks, for the wide kernel.
+  thread_local std::vector<float> x_sums_buffer;
+  if (m_dim <= kWideRows) {
+    x_sums_buffer.resize(m_dim * bd[1]);
+    for (int64_t r = 0; r < m_dim; ++r)
+      for (int64_t b = 0; b < bd[1]; ++b) {
+        const float* xb = xs + r * k_dim + 32 * b;
+        x_sums_buffer[r * bd[1] + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+      }
+  }
+  const float* x_sums = x_sums_buffer.data();
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
-    const uint8_t* panel_codes = cs + p * cd[1] * kPanel;
-    const float* panel_scales = ss + p * sd[1] * num_scales * kPanel;
-    if (m_dim > kDequantizeAbove) {
+    const uint8_t* panel = bs + p * bd[1] * Block::kBytes;
+    const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
+    if (m_dim <= kWideRows) {
+      wide_kernels[m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel, n_dim, cols);
+    } else if (m_dim <= kDequantizeAbove) {
+      for (int64_t g = 0; g < cols; g += 16)
+        kernels[m_dim](x_t, panel, g, k_dim, ys + p * kPanel + g, n_dim, std::min<int64_t>(16, cols - g));
+    } else {
       thread_local std::vector<float> scratch;
       scratch.resize(k_dim * kPanel);
-      DequantizePanel<kQ4>(panel_codes, panel_scales, k_dim, scratch.data());
-      const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
+      DequantizePanel<kQ4>(panel, k_dim, scratch.data());
       for (int64_t m = 0; m < m_dim; m += kRows) {
         const int64_t rows = std::min(kRows, m_dim - m);
-        kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+        PickMicroKernel(rows, m_dim)(xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel,
+                                     n_dim, cols);
       }
-      fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
-      return;
     }
-    if (m_dim <= kWideRows) {
-      wide_kernels[m_dim](xs, k_dim, panel_codes, panel_scales, k_dim, ys + p * kPanel, n_dim,
-                          std::min(kPanel, n_dim - p * kPanel));
-      fusion->Finish(ys, m_dim, n_dim, p * kPanel, std::min(kPanel, n_dim - p * kPanel));
-      return;
-    }
-    for (int64_t g = 0; g < kPanel && p * kPanel + g < n_dim; g += 16) {
-      const int64_t cols = std::min<int64_t>(16, n_dim - p * kPanel - g);
-      kernels[m_dim](x_t, panel_codes + g, panel_scales + g, k_dim, ys + p * kPanel + g, n_dim, cols);
-    }
-    fusion->Finish(ys, m_dim, n_dim, p * kPanel, std::min(kPanel, n_dim - p * kPanel));
-  });
+    fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
+  }, PanelGrain(bd[0]));
   return ffi::Error::Success();
 }
 
@@ -353,7 +433,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                                 ffi::Ffi::Bind()                                                \
                                     .Arg<ffi::Buffer<ffi::F32>>()                               \
                                     .Arg<ffi::Buffer<ffi::U8>>()                                \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                               \
                                     .Arg<ffi::Buffer<ffi::F32>>()                               \
                                     .Arg<ffi::Buffer<ffi::F32>>()                               \
                                     .Attr<float>("eps")                                         \

@@ -31,12 +31,13 @@ class Helpers {
   struct Job {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
-    int64_t n = 0;
+    int64_t n = 0, grain = 1;
     const std::function<void(int64_t)>* body = nullptr;
     void Work() {
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-        (*body)(i);
-        done.fetch_add(1, std::memory_order_release);
+      for (int64_t i; (i = next.fetch_add(grain, std::memory_order_relaxed)) < n;) {
+        const int64_t end = std::min(n, i + grain);
+        for (int64_t j = i; j < end; ++j) (*body)(j);
+        done.fetch_add(end - i, std::memory_order_release);
       }
     }
   };
@@ -45,6 +46,8 @@ class Helpers {
     static Helpers* helpers = new Helpers();  // never destroyed: threads outlive static teardown
     return *helpers;
   }
+
+  int threads() const { return static_cast<int>(threads_.size()) + 1; }  // with the caller
 
   // Offers the job to the helpers; false if another caller's job holds them (then the caller works alone).
   bool Publish(const std::shared_ptr<Job>& job) {
@@ -110,15 +113,16 @@ class Helpers {
   std::vector<std::thread> threads_;
 };
 
-// body(i) for every i in [0, n), on the calling thread and the helpers. Indices are claimed from a shared
-// counter, so the caller never waits for a helper that has not started: it works until none is left,
-// then waits only for indices already claimed.
-inline void ParallelFor(int64_t n, const std::function<void(int64_t)>& body) {
+// body(i) for every i in [0, n), on the calling thread and the helpers. Runs of `grain` consecutive indices
+// are claimed from a shared counter, so the caller never waits for a helper that has not started: it works
+// until none is left, then waits only for indices already claimed.
+inline void ParallelFor(int64_t n, const std::function<void(int64_t)>& body, int64_t grain = 1) {
   auto job = std::make_shared<Helpers::Job>();
   job->n = n;
+  job->grain = std::max<int64_t>(1, grain);
   job->body = &body;  // read only for a claimed index, while the caller still waits
   Helpers& helpers = Helpers::Get();
-  const bool shared = n > 1 && helpers.Publish(job);
+  const bool shared = n > job->grain && helpers.Publish(job);
   job->Work();
   if (shared) helpers.Retract();
   while (job->done.load(std::memory_order_acquire) < n) _mm_pause();
