@@ -32,6 +32,15 @@ def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, -1)`` (the first maximum) as a max and a min: XLA CPU runs argmax's (value, index)
+    reduction element by element, ~5x slower over a 49k vocabulary (0.22 vs 0.04 ms a row here)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)  # a row with a NaN: nothing equals its NaN maximum
+
+
 def _filter_sorted(logits: jax.Array, s: SamplingInputs) -> jax.Array:
     """Apply top-k, top-p and min-p in sorted order; returns logits with filtered entries at -inf."""
     vocab = logits.shape[-1]
@@ -63,7 +72,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
         logits = logits + s.logit_bias
     if s.bitmask is not None:
         logits = jnp.where(unpack_bitmask(s.bitmask, logits.shape[-1]), logits, -jnp.inf)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
     if s.all_greedy:
         tokens = greedy_tokens
     else:
@@ -71,7 +80,9 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
         if s.need_sort:
             scaled = _filter_sorted(scaled, s)
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seeds, s.steps)
-        sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        # Gumbel-max, as jax.random.categorical does, with the faster argmax.
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(keys)
+        sampled = argmax(scaled + gumbel)
         tokens = jnp.where(s.temperature <= 1e-5, greedy_tokens, sampled)
     token_logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - log_normalizer
     if s.top_logprobs:

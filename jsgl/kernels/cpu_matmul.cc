@@ -27,12 +27,6 @@ constexpr int64_t kRows = 8;    // rows of one micro-kernel call: 8 x 3 accumula
 // matmul at ~40 GB/s of weights; with it ~54, and 16-row matmuls ran ~15% faster too.
 constexpr int64_t kPrefetchRows = 32;
 
-// Panels per task: runs of neighbouring panels, about two per thread, so each thread reads long
-// contiguous streams (one panel per task left a 48-column decode matmul at ~30 GB/s, runs ~45).
-inline int64_t PanelGrain(int64_t num_panels) {
-  return std::max<int64_t>(1, num_panels / (2 * jsgl::Helpers::Get().threads()));
-}
-
 // Stores the first `cols` (<= 48) of three vectors.
 inline void StoreColumns(float* y, const __m512 v[3], int64_t cols) {
   for (int j = 0; j < 3; ++j) {
@@ -412,7 +406,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
       }
     }
     fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
-  }, PanelGrain(bd[0]));
+  });
   return ffi::Error::Success();
 }
 
