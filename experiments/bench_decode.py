@@ -41,18 +41,23 @@ PROMPTS = [
 ]
 
 
-def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 7) -> float:
-    """Best bytes/s of a jitted full read (sum) of a large float32 array, like a weight read. The best, not
-    the median: this machine's bandwidth drifts ~2x over minutes, and a floor needs the fastest reads."""
-    x = jnp.ones((size_mb * (1 << 20) // 4,), jnp.float32)
-    f = jax.jit(lambda a: jnp.sum(a))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return x.nbytes / min(times) / 1e9
+class ReadBandwidth:
+    """Best bytes/s of a jitted full read (sum) of a large float32 array, like a weight read. The best of a
+    few, not the median: a floor needs the fastest reads. Measured again in every round, since this machine's
+    bandwidth drifts ~2x over minutes (39-77 GB/s seen)."""
+
+    def __init__(self, size_mb: int = 512):
+        self.x = jnp.ones((size_mb * (1 << 20) // 4,), jnp.float32)
+        self.read = jax.jit(lambda a: jnp.sum(a))
+        self.read(self.x).block_until_ready()
+
+    def gbs(self, repeats: int = 5) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.read(self.x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return self.x.nbytes / min(times) / 1e9
 
 
 KERNELS = {"gguf": {"matmul_backend": "gguf", "attention_backend": "cpu"},  # the default on CPU
@@ -139,14 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [k for k in args.kernels if k == "xla" or cpu_kernels.available()]
     if kernels != args.kernels:
         print(f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()}): measuring {kernels} only")
-    bandwidth = read_bandwidth_gbs()  # before any engine: the kernels' helper threads must not compete
+    bandwidth = ReadBandwidth()
     runs: dict[str, JsglRun | TransformersRun] = {name: JsglRun(name, args.batch_sizes) for name in kernels}
     if not args.skip_transformers:
         runs["hf"] = TransformersRun()
     cfg = runs[kernels[0]].engine.model_config
     for name in kernels:
-        print(f"jsgl[{name}]: {runs[name].weight_bytes / 1e6:.0f} MB of weights read per step; "
-              f"measured read bandwidth {bandwidth:.1f} GB/s")
+        print(f"jsgl[{name}]: {runs[name].weight_bytes / 1e6:.0f} MB of weights read per step")
 
     rows = []
     for batch in args.batch_sizes:
@@ -157,17 +161,23 @@ def main(argv: list[str] | None = None) -> int:
         # Interleaved rounds: the machine's slow and fast phases (memory bandwidth here varies ~2x over
         # minutes) hit every system alike, and each round gives one ratio.
         samples: dict[str, list[dict]] = {name: [] for name in runs}
+        round_gbs = []
         for _ in range(args.repeats):
+            time.sleep(0.01)  # the kernels' helper threads stop spinning 1 ms after their last job
+            round_gbs.append(bandwidth.gbs())
             for name, run in runs.items():
                 samples[name].append(run.once(prompts, params))
         mean_ctx = float(np.mean([len(runs[kernels[0]].engine.tokenizer(p).input_ids) for p in prompts]))
         mean_ctx += args.new_tokens / 2
-        row = {"batch": batch}
+        row = {"batch": batch, "bandwidth_gbs": round_gbs}
         for name in kernels:
             rates = [x["tokens_per_s"] for x in samples[name]]
-            floor_ms = 1e3 * (runs[name].weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token) / (bandwidth * 1e9)
-            row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": floor_ms,
-                         "decode_ms_per_step": statistics.median(x["decode_ms_per_step"] for x in samples[name])}
+            step_bytes = runs[name].weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token
+            floors = [1e3 * step_bytes / (gbs * 1e9) for gbs in round_gbs]
+            steps = [x["decode_ms_per_step"] for x in samples[name]]
+            row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": statistics.median(floors),
+                         "decode_ms_per_step": statistics.median(steps), "rounds_ms_per_step": steps,
+                         "step_over_floor": statistics.median(a / b for a, b in zip(steps, floors))}
             if "hf" in runs:
                 row[name]["vs_hf"] = statistics.median(
                     a / b["tokens_per_s"] for a, b in zip(rates, samples["hf"]))
@@ -181,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in kernels:
         runs[name].engine.shutdown()
 
-    print(f"\nmedians of {args.repeats} interleaved rounds; ratios are medians of per-round ratios")
+    print(f"\nmedians of {args.repeats} interleaved rounds; ratios are medians of per-round ratios "
+          "(the floor from each round's read bandwidth)")
+    for r in rows:
+        print(f"batch {r['batch']:>2}: read bandwidth {min(r['bandwidth_gbs']):.1f}-{max(r['bandwidth_gbs']):.1f} GB/s")
     print(f"{'batch':>5} {'jsgl':>6} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'vs xla':>7} {'ms/step':>8} "
           f"{'floor ms':>9} {'step/floor':>10}")
     for r in rows:
@@ -192,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             vs_xla = f"{ours['vs_xla']:7.2f}" if "vs_xla" in ours else f"{'-':>7}"
             print(f"{r['batch']:>5} {name:>6} {ours['tokens_per_s']:8.1f} {hf_s} {vs_hf} {vs_xla} "
                   f"{ours['decode_ms_per_step']:8.1f} {ours['floor_ms']:9.1f} "
-                  f"{ours['decode_ms_per_step'] / ours['floor_ms']:10.2f}")
+                  f"{ours['step_over_floor']:10.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth_gbs": bandwidth, "rows": rows}, f, indent=2)
+            json.dump({"rows": rows}, f, indent=2)
     return 0
 
 

@@ -59,3 +59,13 @@ def test_greedy_rows_and_same_seed_same_token():
     tokens = np.asarray(jax.jit(sample)(jnp.concatenate([logits[:2], logits[:2]]), s)[0])
     assert tokens[0] == tokens[2] == int(jnp.argmax(logits[0]))
     assert tokens[1] == tokens[3]
+
+
+def test_skipping_logprobs_keeps_the_tokens():
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((8, 3000)).astype(np.float32))
+    s = inputs(8, 3000, temperature=np.array([0, 1] * 4, np.float32))
+    with_lp, without = jax.jit(sample)(logits, s), jax.jit(sample)(logits, inputs(8, 3000, token_logprobs=False,
+                                                                              temperature=s.temperature))
+    np.testing.assert_array_equal(np.asarray(with_lp[0]), np.asarray(without[0]))
+    expected = jax.nn.log_softmax(logits)[jnp.arange(8), with_lp[0]]
+    np.testing.assert_allclose(np.asarray(with_lp[1]), np.asarray(expected), atol=1e-5)

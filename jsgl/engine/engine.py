@@ -311,9 +311,10 @@ class Engine:
         t0 = time.perf_counter()
         items = [self.outputs.forward_item(seq, chunk, batch.samples(i))
                  for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))]
+        logprobs = any(s.params.return_logprob for s in batch.seqs)
         top = max((s.params.top_logprobs_num for s in batch.seqs if s.params.return_logprob), default=0)
         want_prompt = (not batch.is_decode) and any(s.wants_prompt_logprobs for s in batch.seqs)
-        out = self.runner.run(items, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
+        out = self.runner.run(items, logprobs=logprobs, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
         self.forward_passes += 1
         for i, seq in enumerate(batch.seqs):
             if self.outputs.absorb(seq, batch.chunks[i], batch.samples(i), out, i):

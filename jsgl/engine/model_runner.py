@@ -53,7 +53,7 @@ class ForwardItem:
 @dataclasses.dataclass
 class StepOutput:
     tokens: np.ndarray  # [n] sampled after each item's last new token
-    logprobs: np.ndarray  # [n]
+    logprobs: np.ndarray | None  # [n], when asked
     top_logprobs: tuple[np.ndarray, np.ndarray] | None  # ([n, K] values, [n, K] ids)
     # Per item, logprob of each target (next prompt) token and its top-k, when asked.
     prompt_logprobs: list[np.ndarray] | None = None
@@ -123,8 +123,10 @@ class ModelRunner:
         return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
                 * bucket(max_len, 64) * 4)
 
-    def run(self, items: list[ForwardItem], *, top_logprobs: int = 0, prompt_top_k: int = -1) -> StepOutput:
-        """One forward + sample over ``items``; prompt_top_k >= 0 also returns prompt logprobs."""
+    def run(self, items: list[ForwardItem], *, logprobs: bool = True, top_logprobs: int = 0,
+            prompt_top_k: int = -1) -> StepOutput:
+        """One forward + sample over ``items``: the sampled tokens, with their logprobs if ``logprobs``, the
+        top ``top_logprobs`` alternatives, and for ``prompt_top_k >= 0`` the prompt's logprobs too."""
         n = len(items)
         is_decode = all(len(it.token_ids) == 1 for it in items) and prompt_top_k < 0
         q_lens = np.array([len(it.token_ids) for it in items], np.int32)
@@ -157,9 +159,9 @@ class ModelRunner:
             sample_index[b] = offset + m - 1
             offset += m
         meta = AttentionMetadata(positions, q_start, q_len, block_table, lens, max_q)
-        sampling = self._sampling_inputs(items, num_b, top_logprobs)
+        sampling = self._sampling_inputs(items, num_b, top_logprobs, logprobs)
 
-        signature = (num_t, num_b, max_q, max_l, sampling.all_greedy, sampling.need_sort, top_logprobs,
+        signature = (num_t, num_b, max_q, max_l, sampling.all_greedy, sampling.need_sort, top_logprobs, logprobs,
                      sampling.bitmask is not None, sampling.logit_bias is not None, prompt_top_k)
         if signature not in self._signatures:
             self._signatures.add(signature)
@@ -167,7 +169,7 @@ class ModelRunner:
         self.kv, out = self._step(self.params, self.kv, token_ids, write_slots, meta, sample_index,
                                   target_ids, sampling, prompt_top_k=prompt_top_k)
         out = jax.device_get(out)
-        result = StepOutput(out["tokens"][:n], out["logprobs"][:n],
+        result = StepOutput(out["tokens"][:n], out["logprobs"][:n] if logprobs else None,
                             (out["top_vals"][:n], out["top_ids"][:n]) if top_logprobs else None)
         if prompt_top_k >= 0:
             spans = [slice(q_start[b], q_start[b] + q_len[b]) for b in range(n)]
@@ -177,7 +179,8 @@ class ModelRunner:
                                               for s in spans]
         return result
 
-    def _sampling_inputs(self, items: list[ForwardItem], num_b: int, top_logprobs: int) -> SamplingInputs:
+    def _sampling_inputs(self, items: list[ForwardItem], num_b: int, top_logprobs: int,
+                         logprobs: bool) -> SamplingInputs:
         vocab = self.config.vocab_size
         temperature = np.zeros(num_b, np.float32)
         top_p = np.ones(num_b, np.float32)
@@ -203,4 +206,5 @@ class ModelRunner:
         sampled = temperature > 1e-5
         need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
         return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias,
-                              all_greedy=not sampled.any(), need_sort=need_sort, top_logprobs=top_logprobs)
+                              all_greedy=not sampled.any(), need_sort=need_sort, top_logprobs=top_logprobs,
+                              token_logprobs=logprobs)

@@ -42,6 +42,10 @@ class AttentionMetadata:
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata, float], jax.Array]
+# A backend function may also carry ``rope_write_attend(qkv, k_pool, v_pool, write_slots, cos, signed_sin, meta,
+# scale) -> (out, k_pool, v_pool) | None``: RoPE on the new q and k (taken from the fused q|k|v projection), the
+# K/V write and the attention as one op (the CPU kernel's, which saves three XLA ops per layer); None where it
+# does not apply, and the model composes the three steps itself.
 
 
 def _padded_token_index(meta: AttentionMetadata, num_tokens: int) -> jax.Array:

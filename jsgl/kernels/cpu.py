@@ -40,7 +40,8 @@ log = logging.getLogger("jsgl.kernels.cpu")
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
 _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h")]
-_TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention")
+_TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention",
+            "jsgl_rope_write_attention")
 # Extend steps of at most this many new tokens per request (jump-forward) use the kernel too; longer ones
 # (prefill) the native path, since the kernel reads a request's K/V rows once per new token.
 MAX_KERNEL_EXTEND = 16
@@ -215,17 +216,46 @@ def attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and q_heads % kv_heads == 0 and q_heads // kv_heads <= 16
 
 
+def _kernel_serves(q: jax.Array, k_pool: jax.Array, meta: AttentionMetadata) -> bool:
+    return meta.max_q_len <= MAX_KERNEL_EXTEND and attention_supported(q.shape[1], k_pool.shape[0], q.shape[2])
+
+
+def _metadata_args(meta: AttentionMetadata) -> tuple[jax.Array, ...]:
+    return meta.positions, meta.block_table, meta.kv_lens, meta.q_start, meta.q_len
+
+
 def cpu_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,
                         scale: float) -> jax.Array:
     """Same contract as :func:`native_paged_attention`; decode and short extends run in the C++ kernel."""
-    if meta.max_q_len > MAX_KERNEL_EXTEND or not attention_supported(q.shape[1], k_pool.shape[0],
-                                                                             q.shape[2]):
+    if not _kernel_serves(q, k_pool, meta):
         return native_paged_attention(q, k_pool, v_pool, meta, scale)
     _require()
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("jsgl_paged_attention", out)(
-        q.astype(jnp.float32), k_pool, v_pool, meta.positions, meta.block_table, meta.kv_lens, meta.q_start,
-        meta.q_len, scale=np.float32(scale))
+        q.astype(jnp.float32), k_pool, v_pool, *_metadata_args(meta), scale=np.float32(scale))
 
 
+def cpu_rope_write_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, write_slots: jax.Array,
+                             cos: jax.Array, signed_sin: jax.Array, meta: AttentionMetadata,
+                             scale: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """RoPE on the new tokens' q and k, taken with v straight from the q|k|v matmul's output
+    ``qkv [T, (Hq + 2 Hkv) D]``; their k and v written into the pools at ``write_slots``; and attention: one
+    call that updates the (donated) pools in place. ``cos``, ``signed_sin`` [T, 1, D] as from
+    ``jsgl.model.llama.rope_tables``. Returns (out [T, Hq, D], k_pool, v_pool), or None where the kernel does
+    not serve (prefill): the model then does the three steps itself."""
+    kv_heads, _, head_dim = k_pool.shape
+    t, q_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * kv_heads
+    q_shape = jax.ShapeDtypeStruct((t, q_heads, head_dim), jnp.float32)
+    if not _kernel_serves(q_shape, k_pool, meta) or k_pool.dtype != jnp.float32:
+        return None
+    _require()
+    outs = (q_shape, jax.ShapeDtypeStruct(k_pool.shape, jnp.float32), jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))
+    call = jax.ffi.ffi_call("jsgl_rope_write_attention", outs, input_output_aliases={4: 1, 5: 2})
+    tables = [jnp.broadcast_to(x, (t, 1, head_dim)).reshape(t, head_dim) for x in (cos, signed_sin)]
+    return call(qkv.astype(jnp.float32), *tables, write_slots.astype(jnp.int32), k_pool, v_pool,
+                *_metadata_args(meta), scale=np.float32(scale))
+
+
+# The fused form of the backend (see jsgl.kernels.attention: AttentionFn.rope_write_attend).
+cpu_paged_attention.rope_write_attend = cpu_rope_write_attention
 register_attention_backend("cpu", cpu_paged_attention)

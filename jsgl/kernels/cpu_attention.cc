@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -46,26 +47,34 @@ inline void PrefetchRow(const float* row, int64_t head_dim) {
 
 constexpr int64_t kMaxGroup = 16;
 
-ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
-                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_table,
-                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
-                          float scale, ffi::ResultBuffer<ffi::F32> out) {
+// The shapes both handlers take: q [T, Hq, D], pools [Hkv, N, D], block_table [B, L].
+struct Shapes {
+  int64_t num_tokens, q_heads, head_dim, kv_heads, num_slots, batch, max_len;
+};
+
+std::optional<Shapes> CheckShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_pool,
+                                  ffi::Buffer<ffi::S32>& block_table) {
   const auto qd = q.dimensions(), kd = k_pool.dimensions(), bd = block_table.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || bd.size() != 2 || kd[2] != qd[2] || qd[1] % kd[0] != 0 ||
       qd[2] % 16 != 0 || qd[2] > kMaxHeadDim || qd[1] / kd[0] > kMaxGroup) {
-    return ffi::Error::InvalidArgument(
-        "jsgl_paged_attention: expected q [T, Hq, D], pools [Hkv, N, D], D % 16 == 0, D <= 256");
+    return std::nullopt;
   }
-  const int64_t num_tokens = qd[0], q_heads = qd[1], head_dim = qd[2];
-  const int64_t kv_heads = kd[0], num_slots = kd[1], batch = bd[0], max_len = bd[1];
+  return Shapes{qd[0], qd[1], qd[2], kd[0], kd[1], bd[0], bd[1]};
+}
+
+constexpr const char* kShapeError =
+    "jsgl_paged_attention: expected q [T, Hq, D], pools [Hkv, N, D], D % 16 == 0, D <= 256, GQA group <= 16";
+
+// out = attention of the (roped) queries qs over the pools, for every new token of every request.
+void Attend(const Shapes& shape, const float* qs, const float* ks, const float* vs, const int32_t* pos,
+            const int32_t* table, const int32_t* lens, const int32_t* starts, const int32_t* counts, float scale,
+            float* os) {
+  const int64_t num_tokens = shape.num_tokens, q_heads = shape.q_heads, head_dim = shape.head_dim;
+  const int64_t kv_heads = shape.kv_heads, num_slots = shape.num_slots, max_len = shape.max_len;
   const int64_t group = q_heads / kv_heads;
-  const float *qs = q.typed_data(), *ks = k_pool.typed_data(), *vs = v_pool.typed_data();
-  const int32_t *table = block_table.typed_data(), *lens = kv_lens.typed_data(), *pos = positions.typed_data();
-  const int32_t *starts = q_start.typed_data(), *counts = q_len.typed_data();
-  float* os = out->typed_data();
   std::memset(os, 0, sizeof(float) * num_tokens * q_heads * head_dim);  // padding rows stay zero
 
-  ParallelFor(batch * kv_heads, [&](int64_t item) {
+  ParallelFor(shape.batch * kv_heads, [&](int64_t item) {
     const int64_t b = item / kv_heads, h = item % kv_heads;
     const int32_t* slots = table + b * max_len;
     const float* k_head = ks + h * num_slots * head_dim;
@@ -139,6 +148,85 @@ ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool,
           _mm512_storeu_ps(o_rows + g * head_dim + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
     }
   });
+}
+
+
+ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_table,
+                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
+                          float scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto shape = CheckShapes(q, k_pool, block_table);
+  if (!shape) return ffi::Error::InvalidArgument(kShapeError);
+  Attend(*shape, q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), positions.typed_data(),
+         block_table.typed_data(), kv_lens.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
+         out->typed_data());
+  return ffi::Error::Success();
+}
+
+// Rotate-half RoPE of one head: out = x * cos + roll(x, D/2) * signed_sin ([-sin, sin] per half).
+inline void Rope(const float* x, const float* cos, const float* signed_sin, int64_t head_dim, float* out) {
+  const int64_t half = head_dim / 2;
+  if (half % 16 == 0) {
+    for (int64_t i = 0; i < half; i += 16) {
+      const __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + half + i);
+      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(hi, _mm512_loadu_ps(signed_sin + i),
+                                                _mm512_mul_ps(lo, _mm512_loadu_ps(cos + i))));
+      _mm512_storeu_ps(out + half + i, _mm512_fmadd_ps(lo, _mm512_loadu_ps(signed_sin + half + i),
+                                                       _mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + i))));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < head_dim; ++i) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * signed_sin[i];
+}
+
+// The layer's whole attention block after the q|k|v matmul: RoPE on the new tokens' q and k, their k and
+// v written into the pools at write_slots (in place: the pools are aliased to the results), then
+// attention as above. One custom call, reading q|k|v straight from the matmul's output, instead of four
+// XLA ops per layer (three slices or fusions and the attention).
+ffi::Error RopeWriteAttention(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> signed_sin,
+                              ffi::Buffer<ffi::S32> write_slots, ffi::Buffer<ffi::F32> k_pool_in,
+                              ffi::Buffer<ffi::F32> v_pool_in, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> block_table, ffi::Buffer<ffi::S32> kv_lens,
+                              ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len, float scale,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_pool,
+                              ffi::ResultBuffer<ffi::F32> v_pool) {
+  const auto od = out->dimensions(), pd = k_pool_in.dimensions(), xd = qkv.dimensions();
+  if (od.size() != 3 || pd.size() != 3 || xd.size() != 2 || xd[0] != od[0] ||
+      xd[1] != (od[1] + 2 * pd[0]) * od[2] || v_pool_in.element_count() != k_pool_in.element_count()) {
+    return ffi::Error::InvalidArgument("jsgl_rope_write_attention: qkv [T, (Hq + 2 Hkv) D], out [T, Hq, D]");
+  }
+  const int64_t num_tokens = od[0], q_heads = od[1], head_dim = od[2], kv_heads = pd[0], num_slots = pd[1];
+  const int64_t width = xd[1];
+  if (cos.element_count() != num_tokens * head_dim || signed_sin.element_count() != num_tokens * head_dim ||
+      write_slots.element_count() != num_tokens) {
+    return ffi::Error::InvalidArgument("jsgl_rope_write_attention: cos/sin [T, D], write_slots [T]");
+  }
+  const auto bd = block_table.dimensions();
+  if (bd.size() != 2 || head_dim % 16 != 0 || head_dim > kMaxHeadDim || q_heads % kv_heads != 0 ||
+      q_heads / kv_heads > kMaxGroup) {
+    return ffi::Error::InvalidArgument(kShapeError);
+  }
+  const float *xs = qkv.typed_data(), *cs = cos.typed_data(), *sn = signed_sin.typed_data();
+  const int32_t* slots = write_slots.typed_data();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return ffi::Error::InvalidArgument("jsgl_rope_write_attention: bad slot");
+  float *ks = k_pool->typed_data(), *vs = v_pool->typed_data();
+  thread_local std::vector<float> roped_q;
+  roped_q.resize(num_tokens * q_heads * head_dim);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const float *row = xs + t * width, *c = cs + t * head_dim, *s = sn + t * head_dim;
+    for (int64_t h = 0; h < q_heads; ++h)
+      Rope(row + h * head_dim, c, s, head_dim, roped_q.data() + (t * q_heads + h) * head_dim);
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t dst = (h * num_slots + slots[t]) * head_dim;
+      Rope(row + (q_heads + h) * head_dim, c, s, head_dim, ks + dst);
+      std::memcpy(vs + dst, row + (q_heads + kv_heads + h) * head_dim, sizeof(float) * head_dim);
+    }
+  }
+  // Attention over the pools as written (through the results, which alias them).
+  Attend(Shapes{num_tokens, q_heads, head_dim, kv_heads, num_slots, bd[0], bd[1]}, roped_q.data(), ks, vs,
+         positions.typed_data(), block_table.typed_data(), kv_lens.typed_data(), q_start.typed_data(),
+         q_len.typed_data(), scale, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -155,4 +243,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_paged_attention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_rope_write_attention, RopeWriteAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q|k|v [T, (Hq + 2 Hkv) D], before RoPE
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // signed sin [T, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // write_slots [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool (aliased to the second result)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool (aliased to the third)
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jsgl.kernels.attention import AttentionFn, AttentionMetadata
 from jsgl.kernels.cpu import PACKED_TYPES, PackedWeight, QuantWeight, pack_quant, pack_weight, packed_matmul
@@ -38,13 +37,14 @@ def _packed(layer: Params, names: tuple[str, ...]) -> PackedWeight | QuantWeight
 
 # The layer's three matmul blocks. Packed (the CPU kernels), each is one or two kernel calls with the
 # norm, SwiGLU and residual inside them; otherwise plain jnp.
-def _normed_qkv(h: jax.Array, layer: Params, eps: float) -> list[jax.Array]:
-    """q, k, v of ``rms_norm(h)``."""
+def _normed_qkv(h: jax.Array, layer: Params, eps: float) -> jax.Array | list[jax.Array]:
+    """q, k, v of ``rms_norm(h)`` (with their biases, if any): packed, as one ``[T, q | k | v]`` array."""
     if (packed := _packed(layer, ("wq", "wk", "wv"))) is not None:
         qkv = packed_matmul(h, packed, norm=layer["attn_norm"], eps=eps)
-        return jnp.split(qkv, np.cumsum(packed.splits)[:-1].tolist(), axis=-1)
+        return qkv + jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]]) if "bq" in layer else qkv
     x = rms_norm(h, layer["attn_norm"], eps)
-    return [x @ layer[name] for name in ("wq", "wk", "wv")]
+    qkv = [x @ layer[name] for name in ("wq", "wk", "wv")]
+    return [y + layer[b] for y, b in zip(qkv, ("bq", "bk", "bv"))] if "bq" in layer else qkv
 
 
 def _attention_output(h: jax.Array, attn: jax.Array, layer: Params) -> jax.Array:
@@ -116,16 +116,25 @@ def _layer(
     v_pool: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     num_tokens = h.shape[0]
-    q, k, v = _normed_qkv(h, layer, cfg.rms_norm_eps)
-    if "bq" in layer:
-        q, k, v = q + layer["bq"], k + layer["bk"], v + layer["bv"]
-    q = rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
-    k = rope(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope_cos_sin)
-    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
-    k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
-    v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
-    attn = attention(q, k_pool, v_pool, meta, cfg.head_dim**-0.5)
+    qkv = _normed_qkv(h, layer, cfg.rms_norm_eps)
+    scale = cfg.head_dim**-0.5
+    fused = getattr(attention, "rope_write_attend", None)  # RoPE + K/V write + attention as one op
+    result = None
+    if fused is not None and not isinstance(qkv, list):
+        result = fused(qkv, k_pool, v_pool, write_slots, *rope_cos_sin, meta, scale)
+    if result is not None:
+        attn, k_pool, v_pool = result
+    else:
+        if not isinstance(qkv, list):
+            q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            qkv = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
+        q = rope(qkv[0].reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
+        k = rope(qkv[1].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope_cos_sin)
+        v = qkv[2].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
+        k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
+        v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
+        attn = attention(q, k_pool, v_pool, meta, scale)
     h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
     return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool
 
