@@ -127,10 +127,14 @@ struct Fusion {
         for (; k < k_dim; ++k) out[k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
       } else {
         const float* row = x + m * k_dim;
-        float sum = 0.f;
-        for (int64_t k = 0; k < k_dim; ++k) sum += row[k] * row[k];
+        // Sum of squares in vectors: the scalar loop's dependency chain took ~14 us per 16-row call.
+        __m512 squares = _mm512_setzero_ps();
+        int64_t k = 0;
+        for (; k + 16 <= k_dim; k += 16) squares = _mm512_fmadd_ps(_mm512_loadu_ps(row + k), _mm512_loadu_ps(row + k), squares);
+        float sum = _mm512_reduce_add_ps(squares);
+        for (; k < k_dim; ++k) sum += row[k] * row[k];
         const float scale = 1.f / std::sqrt(sum / static_cast<float>(k_dim) + eps);
-        for (int64_t k = 0; k < k_dim; ++k) out[k] = row[k] * scale * norm[k];
+        for (k = 0; k < k_dim; ++k) out[k] = row[k] * scale * norm[k];
       }
     }
     return buffer.data();
@@ -238,6 +242,41 @@ struct QuantBlock {
 // in registers and used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and
 // dequantizes each weight once per 16 rows.
 constexpr int64_t kQuantRows = 16;
+
+// In-register transpose of a 16 x 16 block: r[i] holds row i before, column i after.
+inline void Transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+  }
+}
+
+// x [M <= 16, K] (K a multiple of 16) into x_t [K][16]; rows past M are zero.
+inline void TransposeRows(const float* x, int64_t m_dim, int64_t k_dim, float* x_t) {
+  for (int64_t k0 = 0; k0 < k_dim; k0 += 16) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = i < m_dim ? _mm512_loadu_ps(x + i * k_dim + k0) : _mm512_setzero_ps();
+    Transpose16x16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(x_t + (k0 + i) * kQuantRows, r[i]);
+  }
+}
 
 // x_t is x transposed, [K][16]: one base address serves every row (GCC spilled 16 row pointers of x
 // [R, K] into vector registers inside the loop).
@@ -372,8 +411,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
   thread_local std::vector<float> x_t_buffer;
   if (m_dim > kWideRows && m_dim <= kDequantizeAbove) {
     x_t_buffer.resize(k_dim * kQuantRows);
-    for (int64_t k = 0; k < k_dim; ++k)
-      for (int64_t r = 0; r < m_dim; ++r) x_t_buffer[k * kQuantRows + r] = xs[r * k_dim + k];
+    TransposeRows(xs, m_dim, k_dim, x_t_buffer.data());
   }
   const float* x_t = x_t_buffer.data();
   // Each row's sums over the blocks, for the wide kernel.
