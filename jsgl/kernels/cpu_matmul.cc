@@ -231,7 +231,9 @@ struct QuantBlock {
   }
 
  private:
-  static constexpr int64_t kPrefetchBytes = 1536;
+  // 8 KB ahead: a thread streams one contiguous run of panels, so this runs on into its next panel
+  // (1.5 KB was ~5% slower at 16 rows).
+  static constexpr int64_t kPrefetchBytes = 8192;
   static __m128i Bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static __m512 Half(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
