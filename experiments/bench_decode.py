@@ -44,10 +44,11 @@ PROMPTS = [
 class ReadBandwidth:
     """Best bytes/s of a jitted full read (sum) of a large float32 array, like a weight read. The best of a
     few, not the median: a floor needs the fastest reads. Measured again in every round, since this machine's
-    bandwidth drifts ~2x over minutes (39-77 GB/s seen)."""
+    bandwidth drifts over minutes."""
 
     def __init__(self, size_mb: int = 512):
-        self.x = jnp.ones((size_mb * (1 << 20) // 4,), jnp.float32)
+        # Random values, like weights (no page of equal bytes the host could share).
+        self.x = jax.random.uniform(jax.random.key(0), (size_mb * (1 << 20) // 4,), jnp.float32)
         self.read = jax.jit(lambda a: jnp.sum(a))
         self.read(self.x).block_until_ready()
 
@@ -158,25 +159,30 @@ def main(argv: list[str] | None = None) -> int:
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         for run in runs.values():
             run.warm(prompts, params)
-        # Interleaved rounds: the machine's slow and fast phases (memory bandwidth here varies ~2x over
-        # minutes) hit every system alike, and each round gives one ratio.
+        # Interleaved rounds: the machine's slow and fast phases hit every system alike, and each round
+        # gives one ratio. Its memory bandwidth swings between ~40 and ~80 GB/s within seconds, so each jsgl
+        # run's floor uses the read bandwidth measured just before and just after it (their mean).
         samples: dict[str, list[dict]] = {name: [] for name in runs}
-        round_gbs = []
         for _ in range(args.repeats):
-            time.sleep(0.01)  # the kernels' helper threads stop spinning 1 ms after their last job
-            round_gbs.append(bandwidth.gbs())
             for name, run in runs.items():
-                samples[name].append(run.once(prompts, params))
+                time.sleep(0.01)  # the kernels' helper threads stop spinning 1 ms after their last job
+                before = bandwidth.gbs() if name != "hf" else 0.0
+                sample = run.once(prompts, params)
+                if name != "hf":
+                    time.sleep(0.01)
+                    sample["bandwidth_gbs"] = (before + bandwidth.gbs()) / 2
+                samples[name].append(sample)
         mean_ctx = float(np.mean([len(runs[kernels[0]].engine.tokenizer(p).input_ids) for p in prompts]))
         mean_ctx += args.new_tokens / 2
-        row = {"batch": batch, "bandwidth_gbs": round_gbs}
+        row = {"batch": batch, "bandwidth_gbs": [x["bandwidth_gbs"] for name in kernels for x in samples[name]]}
         for name in kernels:
             rates = [x["tokens_per_s"] for x in samples[name]]
             step_bytes = runs[name].weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token
-            floors = [1e3 * step_bytes / (gbs * 1e9) for gbs in round_gbs]
+            floors = [1e3 * step_bytes / (x["bandwidth_gbs"] * 1e9) for x in samples[name]]
             steps = [x["decode_ms_per_step"] for x in samples[name]]
             row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": statistics.median(floors),
                          "decode_ms_per_step": statistics.median(steps), "rounds_ms_per_step": steps,
+                         "rounds_bandwidth_gbs": [x["bandwidth_gbs"] for x in samples[name]],
                          "step_over_floor": statistics.median(a / b for a, b in zip(steps, floors))}
             if "hf" in runs:
                 row[name]["vs_hf"] = statistics.median(
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name].engine.shutdown()
 
     print(f"\nmedians of {args.repeats} interleaved rounds; ratios are medians of per-round ratios "
-          "(the floor from each round's read bandwidth)")
+          "(each run's floor from the read bandwidth around it)")
     for r in rows:
         print(f"batch {r['batch']:>2}: read bandwidth {min(r['bandwidth_gbs']):.1f}-{max(r['bandwidth_gbs']):.1f} GB/s")
     print(f"{'batch':>5} {'jsgl':>6} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'vs xla':>7} {'ms/step':>8} "

@@ -2,11 +2,13 @@
 
 * :func:`packed_matmul`: ``x @ W`` with ``W`` packed once into panels of 48 output columns, in float32
   (:class:`PackedWeight`) or in the GGUF file's own Q4_1/Q8_0 blocks (:class:`QuantWeight`, dequantized
-  exactly in registers: the same products, bit for bit, from 4-9 bits per weight). XLA's CPU dot repacks
+  exactly in registers from the file's 5-8.5 bits per weight; from 5 rows on the float32 kernel's sums bit for
+  bit, at 1-4 rows with the block scales folded out of the inner sum). XLA's CPU dot repacks
   its weight operand on every call, which at the 1-16 rows of a decode step costs about as much as the
   multiply (a chain of [16, 576] x [576, 1536] products: XLA ~185 GFLOP/s, packed float32 ~330).
 * :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode and short extends (jump-forward) read
   each request's K/V rows in place from the pool instead of gathering a copy; prefill uses the native path.
+  Its fused form :func:`cpu_rope_write_attention` also applies RoPE and writes the new K/V (the model's path).
 
 The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
 ``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. Without a compiler or AVX-512,

@@ -39,55 +39,31 @@ inline void StoreColumns(float* y, const __m512 v[3], int64_t cols) {
   }
 }
 
-// Matmuls of up to this many rows keep two accumulator sets, for even and odd k, added at the end: one or
-// two rows have too few independent FMA chains (3 or 6) to hide the FMA latency. The quantized kernels
-// sum in the same order, so every path still gives the float32 kernel's sums bit for bit.
-constexpr int64_t kSplitRows = 2;
-
-// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] for R rows (kSplit: even and odd k apart, then added).
-template <int R, bool kSplit>
+// y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] for R rows.
+template <int R>
 void MicroKernel(const float* x, int64_t ldx, const float* panel, int64_t k_dim, float* y, int64_t ldy,
                  int64_t cols) {
-  constexpr int kSets = kSplit ? 2 : 1;
-  __m512 acc[kSets][R][3];
-  for (int s = 0; s < kSets; ++s)
-    for (int r = 0; r < R; ++r) acc[s][r][0] = acc[s][r][1] = acc[s][r][2] = _mm512_setzero_ps();
-  const auto step = [&](int64_t k, __m512 (&a_set)[R][3]) {
+  __m512 acc[R][3];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_dim; ++k) {
     const float* b = panel + k * kPanel;
     for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kPanel + 16 * j), _MM_HINT_T0);
     const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      a_set[r][0] = _mm512_fmadd_ps(a, b0, a_set[r][0]);
-      a_set[r][1] = _mm512_fmadd_ps(a, b1, a_set[r][1]);
-      a_set[r][2] = _mm512_fmadd_ps(a, b2, a_set[r][2]);
-    }
-  };
-  int64_t k = 0;
-  if constexpr (kSets == 2) {
-    for (; k + 2 <= k_dim; k += 2) {
-      step(k, acc[0]);
-      step(k + 1, acc[1]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
     }
   }
-  for (; k < k_dim; ++k) step(k, acc[0]);
-  if constexpr (kSets == 2)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 3; ++j) acc[0][r][j] = _mm512_add_ps(acc[0][r][j], acc[1][r][j]);
-  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[0][r], cols);
+  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[r], cols);
 }
 
 using MicroKernelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,                MicroKernel<1, false>, MicroKernel<2, false>,
-                                                    MicroKernel<3, false>, MicroKernel<4, false>, MicroKernel<5, false>,
-                                                    MicroKernel<6, false>, MicroKernel<7, false>, MicroKernel<8, false>};
-constexpr MicroKernelFn kSplitMicroKernels[kSplitRows + 1] = {nullptr, MicroKernel<1, true>, MicroKernel<2, true>};
-
-// The kernel for a block of `rows` of a matmul of m_dim rows.
-inline MicroKernelFn PickMicroKernel(int64_t rows, int64_t m_dim) {
-  return m_dim <= kSplitRows ? kSplitMicroKernels[rows] : kMicroKernels[rows];
-}
+constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,         MicroKernel<1>, MicroKernel<2>,
+                                                    MicroKernel<3>, MicroKernel<4>, MicroKernel<5>,
+                                                    MicroKernel<6>, MicroKernel<7>, MicroKernel<8>};
 
 // The elementwise work around a layer's matmuls, done here instead of in XLA ops of ~10 us each:
 // before, x <- rms_norm(x) * norm (norm: [K]) or x [M, 2K] <- silu(x[:, :K]) * x[:, K:] (swiglu);
@@ -169,7 +145,7 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     for (int64_t m = 0; m < m_dim; m += kRows) {
       const int64_t rows = std::min(kRows, m_dim - m);
-      PickMicroKernel(rows, m_dim)(xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+      kMicroKernels[rows](xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
     }
     fusion->Finish(ys, m_dim, n_dim, p * kPanel, cols);
   });
@@ -327,6 +303,8 @@ void DequantizePanel(const uint8_t* panel, int64_t k_dim, float* out) {
   }
 }
 
+constexpr int kSplitRows = 2;  // up to this many rows the wide kernel keeps even and odd k apart
+
 // The same for R <= 4 rows over all 48 columns of a panel, with the scales taken out of the inner loop:
 // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k per block, which halves the FMAs per weight (the
 // kernel is bound by them at one row). The weights are the same; the sums differ from the float32 kernel's
@@ -388,7 +366,8 @@ constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(
 
 // blocks [P, K/32, QuantBlock::kBytes]; one task per panel: for at most 4 rows all 48 columns at once, for
 // up to 16 its three 16-column groups in turn (they share the panel's bytes in cache), for more the
-// dequantized panel. All give the float32 kernel's sums, bit for bit.
+// dequantized panel. From 5 rows on they give the float32 kernel's sums bit for bit (the wide kernel
+// folds the scales out of its sums).
 template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> norm,
                        ffi::Buffer<ffi::F32> residual, float eps, bool swiglu, ffi::ResultBuffer<ffi::F32> y) {
@@ -441,7 +420,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
       DequantizePanel<kQ4>(panel, k_dim, scratch.data());
       for (int64_t m = 0; m < m_dim; m += kRows) {
         const int64_t rows = std::min(kRows, m_dim - m);
-        PickMicroKernel(rows, m_dim)(xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel,
+        kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel,
                                      n_dim, cols);
       }
     }
