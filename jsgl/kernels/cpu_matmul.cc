@@ -173,20 +173,7 @@ struct QuantBlock {
     return kQ4 ? Half(block + 2 * (kPanel + c)) : _mm512_setzero_ps();
   }
 
-  // Weights of rows 2t and 2t + 1 (t < 16) of a block, columns [c, c + 16).
-  static void Pair(const uint8_t* block, int64_t t, int64_t c, __m512 d, __m512 m, __m512& w0, __m512& w1) {
-    const uint8_t* codes = block + kCodeOffset + c;
-    if constexpr (kQ4) {
-      const __m512i q = _mm512_cvtepu8_epi32(Bytes(codes + t * kPanel));
-      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d, m);
-      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
-    } else {
-      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + 2 * t * kPanel))), d);
-      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + (2 * t + 1) * kPanel))), d);
-    }
-  }
-
-  // The codes themselves (as floats) of rows 2t and 2t + 1, columns [c, c + 16).
+  // The codes (as floats) of rows 2t and 2t + 1 (t < 16) of a block, columns [c, c + 16).
   static void Codes(const uint8_t* block, int64_t t, int64_t c, __m512& q0, __m512& q1) {
     const uint8_t* codes = block + kCodeOffset + c;
     if constexpr (kQ4) {
@@ -197,6 +184,13 @@ struct QuantBlock {
       q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + 2 * t * kPanel)));
       q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + (2 * t + 1) * kPanel)));
     }
+  }
+
+  // Their weights, d * q (+ m).
+  static void Pair(const uint8_t* block, int64_t t, int64_t c, __m512 d, __m512 m, __m512& w0, __m512& w1) {
+    Codes(block, t, c, w0, w1);
+    w0 = kQ4 ? _mm512_fmadd_ps(w0, d, m) : _mm512_mul_ps(w0, d);
+    w1 = kQ4 ? _mm512_fmadd_ps(w1, d, m) : _mm512_mul_ps(w1, d);
   }
 
   // Prefetches the stream kPrefetchBytes past the code rows of pair t.
