@@ -52,9 +52,8 @@ struct Shapes {
   int64_t num_tokens, q_heads, head_dim, kv_heads, num_slots, batch, max_len;
 };
 
-std::optional<Shapes> CheckShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_pool,
-                                  ffi::Buffer<ffi::S32>& block_table) {
-  const auto qd = q.dimensions(), kd = k_pool.dimensions(), bd = block_table.dimensions();
+template <typename Dims>
+std::optional<Shapes> CheckShapes(const Dims& qd, const Dims& kd, const Dims& bd) {
   if (qd.size() != 3 || kd.size() != 3 || bd.size() != 2 || kd[2] != qd[2] || qd[1] % kd[0] != 0 ||
       qd[2] % 16 != 0 || qd[2] > kMaxHeadDim || qd[1] / kd[0] > kMaxGroup) {
     return std::nullopt;
@@ -150,12 +149,11 @@ void Attend(const Shapes& shape, const float* qs, const float* ks, const float* 
   });
 }
 
-
 ffi::Error PagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                           ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> block_table,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
                           float scale, ffi::ResultBuffer<ffi::F32> out) {
-  const auto shape = CheckShapes(q, k_pool, block_table);
+  const auto shape = CheckShapes(q.dimensions(), k_pool.dimensions(), block_table.dimensions());
   if (!shape) return ffi::Error::InvalidArgument(kShapeError);
   Attend(*shape, q.typed_data(), k_pool.typed_data(), v_pool.typed_data(), positions.typed_data(),
          block_table.typed_data(), kv_lens.typed_data(), q_start.typed_data(), q_len.typed_data(), scale,
@@ -190,21 +188,18 @@ ffi::Error RopeWriteAttention(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> c
                               ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len, float scale,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> k_pool,
                               ffi::ResultBuffer<ffi::F32> v_pool) {
-  const auto od = out->dimensions(), pd = k_pool_in.dimensions(), xd = qkv.dimensions();
-  if (od.size() != 3 || pd.size() != 3 || xd.size() != 2 || xd[0] != od[0] ||
-      xd[1] != (od[1] + 2 * pd[0]) * od[2] || v_pool_in.element_count() != k_pool_in.element_count()) {
-    return ffi::Error::InvalidArgument("jsgl_rope_write_attention: qkv [T, (Hq + 2 Hkv) D], out [T, Hq, D]");
-  }
-  const int64_t num_tokens = od[0], q_heads = od[1], head_dim = od[2], kv_heads = pd[0], num_slots = pd[1];
-  const int64_t width = xd[1];
-  if (cos.element_count() != num_tokens * head_dim || signed_sin.element_count() != num_tokens * head_dim ||
-      write_slots.element_count() != num_tokens) {
-    return ffi::Error::InvalidArgument("jsgl_rope_write_attention: cos/sin [T, D], write_slots [T]");
-  }
-  const auto bd = block_table.dimensions();
-  if (bd.size() != 2 || head_dim % 16 != 0 || head_dim > kMaxHeadDim || q_heads % kv_heads != 0 ||
-      q_heads / kv_heads > kMaxGroup) {
-    return ffi::Error::InvalidArgument(kShapeError);
+  // out [T, Hq, D] has the queries' shape.
+  const auto shape = CheckShapes(out->dimensions(), k_pool_in.dimensions(), block_table.dimensions());
+  if (!shape) return ffi::Error::InvalidArgument(kShapeError);
+  const int64_t num_tokens = shape->num_tokens, q_heads = shape->q_heads, head_dim = shape->head_dim;
+  const int64_t kv_heads = shape->kv_heads, num_slots = shape->num_slots;
+  const auto xd = qkv.dimensions();
+  const int64_t width = (q_heads + 2 * kv_heads) * head_dim;
+  if (xd.size() != 2 || xd[0] != num_tokens || xd[1] != width ||
+      v_pool_in.element_count() != k_pool_in.element_count() || cos.element_count() != num_tokens * head_dim ||
+      signed_sin.element_count() != num_tokens * head_dim || write_slots.element_count() != num_tokens) {
+    return ffi::Error::InvalidArgument(
+        "jsgl_rope_write_attention: qkv [T, (Hq + 2 Hkv) D], cos/sin [T, D], write_slots [T], pools alike");
   }
   const float *xs = qkv.typed_data(), *cs = cos.typed_data(), *sn = signed_sin.typed_data();
   const int32_t* slots = write_slots.typed_data();
@@ -224,9 +219,8 @@ ffi::Error RopeWriteAttention(ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> c
     }
   }
   // Attention over the pools as written (through the results, which alias them).
-  Attend(Shapes{num_tokens, q_heads, head_dim, kv_heads, num_slots, bd[0], bd[1]}, roped_q.data(), ks, vs,
-         positions.typed_data(), block_table.typed_data(), kv_lens.typed_data(), q_start.typed_data(),
-         q_len.typed_data(), scale, out->typed_data());
+  Attend(*shape, roped_q.data(), ks, vs, positions.typed_data(), block_table.typed_data(), kv_lens.typed_data(),
+         q_start.typed_data(), q_len.typed_data(), scale, out->typed_data());
   return ffi::Error::Success();
 }
 
