@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from jsgl.engine.config import EngineConfig
+from jsgl.server.limits import ServerLimits
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -97,14 +98,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from jsgl.server.app import serve
 
-    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key)
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, limits=limits,
+          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
+    import importlib.util
 
-    module = importlib.import_module(f"experiments.bench_{args.which}")
+    name = f"experiments.bench_{args.which}"
+    if importlib.util.find_spec(name) is None:  # experiments that are not benchmarks (soak)
+        name = f"experiments.{args.which}"
+    module = importlib.import_module(name)
     return module.main(rest) or 0
 
 
@@ -124,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--api-key", default=None)
+    serve.add_argument("--admin-key", default=None, help="key for abort_all and /flush_cache")
+    limits = ServerLimits()
+    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    serve.add_argument("--max-batch-prompts", type=int, default=limits.max_batch_prompts,
+                       help="prompts (times n) per HTTP request")
+    serve.add_argument("--max-concurrent-requests", type=int, default=limits.max_concurrent_requests,
+                       help="live requests over all clients (503 beyond)")
+    serve.add_argument("--timeout-keep-alive", type=int, default=5, help="uvicorn: idle keep-alive seconds")
+    serve.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn: open connections (503 beyond)")
     add_engine_args(serve)
     bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
     bench.add_argument("which", help="e.g. decode, radix, json, server")

@@ -23,9 +23,17 @@ class EngineConfig:
     jump_forward: bool = True  # compressed-FSM jump-forward for regex/json_schema requests
     seed: int = 0  # seeds requests that do not bring their own
     tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)
+    # Per-request limits (one request must not slow or break the others; cf. vLLM's --max-logprobs).
+    max_top_logprobs: int = 20  # top_logprobs_num; each costs a [tokens, k] top-k and k triples per token
+    max_stop_sequences: int = 32  # stop strings are scanned on every token of the request
+    max_stop_chars: int = 256  # length of one stop string
+    constraint_timeout_s: float = 60.0  # a regex/schema index not built by then fails its request (400)
 
     def __post_init__(self) -> None:
         if self.prefix_cache not in ("radix", "flat", "none"):
             raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
         if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 16:
             raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")
+        if min(self.max_top_logprobs, self.max_stop_sequences, self.max_stop_chars) < 0 \
+                or self.constraint_timeout_s <= 0:
+            raise ValueError("request limits must be >= 0 and constraint_timeout_s > 0")

@@ -18,7 +18,7 @@ from typing import Any
 
 from jsgl.engine.request import InvalidRequestError, SamplingParams
 from jsgl.engine.sequence import Sequence
-from jsgl.fsm import RegexConstraint, get_index_async, json_schema_to_regex, validate_regex
+from jsgl.fsm import RegexConstraint, get_index_async, json_schema_to_regex, start_build_workers, validate_regex
 
 MIN_JUMP_CHARS = 2  # a one-character jump saves nothing over a masked decode step
 
@@ -41,6 +41,7 @@ class ConstraintManager:
         self.jumped_tokens = 0  # tokens appended by jump-forward, engine-wide
         self.jumps = 0
         self.mask_time_s = 0.0  # host time spent fetching per-request bitmasks
+        start_build_workers()
 
     def prepare(self, seq: Sequence) -> Future | None:
         """Validate and start building the request's index (caller thread). Raises InvalidRequestError."""

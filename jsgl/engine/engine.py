@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -16,8 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,7 @@ from jsgl.engine.kv_pool import SlotAllocator, slots_for_memory
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import (
+    AbortReason,
     FinishReason,
     GenerateOutput,
     InvalidRequestError,
@@ -34,6 +36,7 @@ from jsgl.engine.request import (
 )
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
+from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.loader import load_gguf_blocks, load_model
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
@@ -84,6 +87,8 @@ class Engine:
         self._pending: list[Sequence] = []  # waiting for their constraint's index to build
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              self.config.jump_forward)
+        self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
+                                   self.allocator.capacity)
         self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.max_context)
         self._distinct = DistinctPrefixCounter()
         self.forward_passes = 0
@@ -115,20 +120,20 @@ class Engine:
 
     def submit_batch(self, prompts: list, sampling_params: list) -> list[RequestHandle]:
         """Queue several requests atomically: the scheduler sees them in the same step."""
-        return self._enqueue([self._make_sequence(p, sp, None) for p, sp in zip(prompts, sampling_params)])
+        seqs: list[Sequence] = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                seqs.append(self._make_sequence(prompt, params, None))
+        except BaseException:
+            self._release_constraints(seqs)  # all or nothing: no build keeps running for a rejected batch
+            raise
+        return self._enqueue(seqs)
 
     def _make_sequence(self, prompt: str | Seq[int], sampling_params: Any, request_id: str | None) -> Sequence:
-        params = SamplingParams.from_any(sampling_params)
-        params.validate()
-        ids = self._tokenize(prompt)
-        if len(ids) >= self.max_context:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
-        if len(ids) + 1 > self.allocator.capacity:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the KV pool holds {self.allocator.capacity}")
-        if params.logprob_start_len >= len(ids):
-            raise InvalidRequestError(f"logprob_start_len {params.logprob_start_len} >= prompt length")
+        params = self.admission.sampling_params(sampling_params)
+        if request_id is not None:
+            check_text(request_id, "request id")
+        ids = self.admission.prompt_ids(prompt, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         seq = Sequence(
             rid=request_id or new_request_id(), prompt_ids=ids, params=params,
@@ -142,7 +147,13 @@ class Engine:
     def _enqueue(self, seqs: list[Sequence]) -> list[RequestHandle]:
         with self._lock:
             if self._stopped:
+                self._release_constraints(seqs)
                 raise RuntimeError("the engine is shut down")
+            rids = [seq.rid for seq in seqs]
+            taken = [r for r in rids if r in self._by_id] or sorted({r for r in rids if rids.count(r) > 1})
+            if taken:  # checked under the lock: two requests can never share an id (aborts hit by id)
+                self._release_constraints(seqs)
+                raise InvalidRequestError(f"request id {taken[0]!r} is already in use")
             self._inbox.extend(seqs)
             self._by_id.update((seq.rid, seq) for seq in seqs)
         self._wake.set()
@@ -198,7 +209,7 @@ class Engine:
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
-            "mean_batch_size": float(np.mean(s.batch_sizes)) if s.batch_sizes else 0.0,
+            "mean_batch_size": s.batched_requests / s.steps if s.steps else 0.0,
             "decode_time_s": self.step_time["decode"], "extend_time_s": self.step_time["extend"],
         }
 
@@ -219,19 +230,6 @@ class Engine:
         self.shutdown()
 
     # ------------------------------------------------------------------------------------ helpers
-    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})")
-        return ids
-
     def _prepare_constraint(self, seq: Sequence) -> None:
         future = self.constraints.prepare(seq)
         if future is not None:
@@ -240,16 +238,22 @@ class Engine:
     def _activate_constraints(self) -> None:
         """Hand requests whose FSM index finished building to the scheduler."""
         still = []
+        now = time.monotonic()
         for seq in self._pending:
             if seq.finished:
                 continue
             if not seq.constraint_ready.done():
-                still.append(seq)
+                if now - seq.arrival_time > self.config.constraint_timeout_s:
+                    self._finish(seq, FinishReason.ABORT, AbortReason.INVALID_REQUEST,
+                                 f"the constraint's index was not built within {self.config.constraint_timeout_s:g}"
+                                 " s (--constraint-timeout-s); simplify the regex or schema")
+                else:
+                    still.append(seq)
                 continue
             try:
                 self.constraints.activate(seq)
             except InvalidRequestError as exc:
-                self._finish(seq, FinishReason.ABORT, error=str(exc))
+                self._finish(seq, FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc))
                 continue
             self.scheduler.add(seq)
         self._pending = still
@@ -274,18 +278,25 @@ class Engine:
             if stopped:
                 for seq in [*self._pending, *self.scheduler.waiting, *self.scheduler.prefilling,
                             *self.scheduler.running]:
-                    self._finish(seq, FinishReason.ABORT, error="engine shut down")
+                    self._finish(seq, FinishReason.ABORT, AbortReason.SHUTDOWN, "engine shut down")
                 return
             if not self.scheduler.has_work():
+                # Wake at least once a second while constraints build, to time out stuck ones.
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
                 self.step()
-            except Exception as exc:  # keep serving: fail the step's requests, not the engine
-                log.exception("engine step failed")
+            except Exception:  # not attributable to one request (step() isolates those): fail the batch
+                error_id = log_failure("engine step failed outside any one request")
+                lost_kv = not self.runner.kv_intact()  # the pools were donated to the failed call
+                if lost_kv:
+                    self.runner.reset_kv()
                 for seq in [*self.scheduler.prefilling, *self.scheduler.running]:
-                    self._finish(seq, FinishReason.ABORT, error=f"{type(exc).__name__}: {exc}")
+                    self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED,
+                                 f"internal error in the engine step (error id {error_id})")
+                if lost_kv and self.prefix_cache is not None:  # what the tree points at is gone too
+                    self.prefix_cache.evict(self.prefix_cache.total_size())
 
     def _run_flushes(self) -> None:
         with self._lock:
@@ -301,7 +312,7 @@ class Engine:
     def _abort_now(self, rid: str) -> None:
         seq = self._by_id.get(rid)
         if seq is not None and not seq.finished:
-            self._finish(seq, FinishReason.ABORT, error="aborted")
+            self._finish(seq, FinishReason.ABORT, AbortReason.CLIENT, "aborted")
 
     def step(self) -> Batch | None:
         """Schedule and run one batch, then post-process its sampled tokens (engine thread only)."""
@@ -309,15 +320,26 @@ class Engine:
         if batch is None:
             return None
         t0 = time.perf_counter()
-        items = [self.outputs.forward_item(seq, chunk, batch.samples(i))
-                 for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks))]
-        logprobs = any(s.params.return_logprob for s in batch.seqs)
-        top = max((s.params.top_logprobs_num for s in batch.seqs if s.params.return_logprob), default=0)
-        want_prompt = (not batch.is_decode) and any(s.wants_prompt_logprobs for s in batch.seqs)
-        out = self.runner.run(items, logprobs=logprobs, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
-        self.forward_passes += 1
-        for i, seq in enumerate(batch.seqs):
-            if self.outputs.absorb(seq, batch.chunks[i], batch.samples(i), out, i):
+        rows: list[int] = []  # batch positions that made it into the step
+        items = []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            try:
+                items.append(self.outputs.forward_item(seq, chunk, batch.samples(i)))
+                rows.append(i)
+            except Exception:
+                self._fail_one(seq, "preparing its step inputs")
+        results = self._run_isolated([batch.seqs[i] for i in rows], items, batch.is_decode)
+        for i, result in zip(rows, results):
+            seq = batch.seqs[i]
+            if result is None:
+                continue  # failed alone: already finished with its own error
+            out, row = result
+            try:
+                publish = self.outputs.absorb(seq, batch.chunks[i], batch.samples(i), out, row)
+            except Exception:
+                self._fail_one(seq, "processing its sampled token")
+                continue
+            if publish:
                 if seq.finished:  # free KV before waking the caller, so "done" implies "released"
                     self._retire(seq)
                 seq.publish()
@@ -325,12 +347,75 @@ class Engine:
         self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
         return batch
 
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        seq.finish_reason, seq.error = reason, error
+    def _forward(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> Any:
+        logprobs = any(s.params.return_logprob for s in seqs)
+        top = max((s.params.top_logprobs_num for s in seqs if s.params.return_logprob), default=0)
+        want_prompt = (not is_decode) and any(s.wants_prompt_logprobs for s in seqs)
+        out = self.runner.run(items, logprobs=logprobs, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
+        self.forward_passes += 1
+        return out
+
+    def _run_isolated(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> list[Any]:
+        """The step's output as one (StepOutput, row) per sequence, or None for a sequence whose step
+        failed. When the batched forward fails, each sequence is rerun alone (its K/V writes go to its
+        own slots, so recomputing them is harmless): a failure that follows one request's inputs fails
+        that request only, and the others continue. A failure that consumed the donated KV pools cannot
+        be confined to one request: it is raised and fails every running request."""
+        if not items:
+            return []
+        try:
+            out = self._forward(seqs, items, is_decode)
+            return [(out, row) for row in range(len(items))]
+        except Exception:
+            if not self.runner.kv_intact():
+                raise
+            if len(items) > 1:
+                log.warning("a batched step of %d requests failed; rerunning each alone", len(items))
+                results = [self._forward_alone(seq, item, is_decode) for seq, item in zip(seqs, items)]
+            else:
+                results = [None]
+                self._fail_one(seqs[0], "its model step")
+        return results
+
+    def _forward_alone(self, seq: Sequence, item: Any, is_decode: bool) -> Any:
+        try:
+            return self._forward([seq], [item], is_decode), 0
+        except Exception:
+            if not self.runner.kv_intact():
+                raise
+            self._fail_one(seq, "its model step")
+            return None
+
+    def _fail_one(self, seq: Sequence, where: str) -> None:
+        """Finish one request whose own step failed. Its error names an id to find the logged traceback,
+        never the exception text (which may quote request content)."""
+        error_id = log_failure(f"request {seq.rid} failed in {where}")
+        self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED,
+                     f"internal error in {where} (error id {error_id})")
+
+    def _finish(self, seq: Sequence, reason: FinishReason, abort_reason: AbortReason | None = None,
+                error: str | None = None) -> None:
+        seq.finish_reason, seq.abort_reason, seq.error = reason, abort_reason, error
         self._retire(seq)
         seq.publish()
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.drop(seq)
+        self._release_constraints([seq])
         with self._lock:
             self._by_id.pop(seq.rid, None)
+
+    @staticmethod
+    def _release_constraints(seqs: list[Sequence]) -> None:
+        """Let go of index builds nobody waits for any more (the build stops when no request holds it)."""
+        for seq in seqs:
+            future, seq.constraint_ready = seq.constraint_ready, None
+            if future is not None:
+                release_index(future)
+
+
+def log_failure(what: str) -> str:
+    """Log the current exception under a fresh error id, and return the id for the caller's message."""
+    error_id = secrets.token_hex(6)
+    log.exception("%s (error id %s)", what, error_id)
+    return error_id

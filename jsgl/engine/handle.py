@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import queue
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from jsgl.engine.request import GenerateOutput, StreamChunk
@@ -31,6 +32,19 @@ class RequestHandle:
             yield chunk
             if chunk.finished:
                 return
+
+    def subscribe(self, callback: Callable[[StreamChunk], None]) -> None:
+        """Have ``callback`` receive this request's chunks, in order, on the engine thread (keep it
+        short and non-blocking), instead of reading `stream()`. Chunks published before the call are
+        delivered first, from this thread. Use one of subscribe or stream, not both."""
+        seq = self._seq
+        with seq.listener_lock:
+            while True:
+                try:
+                    callback(seq.stream_queue.get_nowait())
+                except queue.Empty:
+                    break
+            seq.listener = callback
 
     def abort(self) -> None:
         self._engine.abort(self.request_id)

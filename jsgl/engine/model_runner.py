@@ -117,6 +117,15 @@ class ModelRunner:
             static_argnames=("prompt_top_k",), donate_argnums=(1,),
         )
 
+    def kv_intact(self) -> bool:
+        """False when a failed step consumed the donated pools (an error while the step executed, not
+        while it was traced): the engine must then reallocate them and drop what the cache held."""
+        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv))
+
+    def reset_kv(self) -> None:
+        sharding = self.tp.kv_sharding if self.tp else None
+        self.kv = allocate_pool(self.forward_config, self.num_slots, sharding)
+
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:
         """Size of the padded attention scores of an extend batch (the scheduler bounds it)."""

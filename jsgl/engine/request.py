@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import itertools
+import math
+import secrets
 from typing import Any, Protocol
 
 import numpy as np
 
-
-class InvalidRequestError(ValueError):
-    """Bad input from a caller; the engine rejects the request and keeps serving."""
+from jsgl.errors import InvalidRequestError  # noqa: F401  (re-exported: callers import it from here)
 
 
 @dataclasses.dataclass
@@ -68,13 +67,18 @@ class SamplingParams:
 
         check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
               f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            # NaN fails every comparison below, and an infinite temperature turns the logits into NaN.
+            check(isinstance(value, int | float) and math.isfinite(value),
+                  f"{name} must be a finite number, got {value!r}")
         check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 or >= 1, got {self.top_k}")
         check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]")
-        check(self.top_logprobs_num >= 0, "top_logprobs_num must be >= 0")
+        check(isinstance(self.top_logprobs_num, int) and self.top_logprobs_num >= 0, "top_logprobs_num must be >= 0")
         check(not (self.regex is not None and self.json_schema is not None),
               "give at most one of regex and json_schema")
         stop = self.stop
@@ -85,7 +89,20 @@ class SamplingParams:
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop string or stop token, or the grammar ended
     LENGTH = "length"  # max_new_tokens or the context length
-    ABORT = "abort"  # cancelled by the caller or failed
+    ABORT = "abort"  # cancelled by the caller or failed: `GenerateOutput.abort_reason` says which
+
+
+class AbortReason(enum.StrEnum):
+    """Why a request ended with FinishReason.ABORT: callers branch on this, never on error text."""
+
+    CLIENT = "client"  # the caller aborted it (RequestHandle.abort, /abort_request, a disconnect)
+    SHUTDOWN = "shutdown"  # the engine shut down
+    INVALID_REQUEST = "invalid_request"  # its own input proved bad while running (a constraint failed to build)
+    STEP_FAILED = "step_failed"  # the model step failed for this request (an engine fault: HTTP 500)
+
+    @property
+    def is_client_error(self) -> bool:
+        return self is AbortReason.INVALID_REQUEST
 
 
 @dataclasses.dataclass
@@ -110,6 +127,7 @@ class GenerateOutput:
     input_token_ids: list[int] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     error: str | None = None
+    abort_reason: AbortReason | None = None  # set exactly when finish_reason is ABORT
 
     @property
     def meta_info(self) -> dict[str, Any]:
@@ -149,8 +167,7 @@ class TokenConstraint(Protocol):
         ...
 
 
-_ids = itertools.count()
-
-
 def new_request_id() -> str:
-    return f"req-{next(_ids)}"
+    """Unguessable (128 random bits): a request id is what /abort_request needs, so ids must not be
+    enumerable, and a client-chosen id cannot predict the server's next one."""
+    return f"req-{secrets.token_hex(16)}"

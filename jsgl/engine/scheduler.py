@@ -40,7 +40,7 @@ class SchedulerStats:
     steps: int = 0
     extend_steps: int = 0
     decode_steps: int = 0
-    batch_sizes: list[int] = dataclasses.field(default_factory=list)
+    batched_requests: int = 0  # summed over steps (a running total: a per-step list grew with uptime)
     retractions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -130,7 +130,7 @@ class Scheduler:
         self._last_was_extend = batch is not None and not batch.is_decode
         if batch is not None:
             self.stats.steps += 1
-            self.stats.batch_sizes.append(len(batch.seqs))
+            self.stats.batched_requests += len(batch.seqs)
             if batch.is_decode:
                 self.stats.decode_steps += 1
             else:

@@ -6,12 +6,14 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.request import (
+    AbortReason,
     FinishReason,
     GenerateOutput,
     SamplingParams,
@@ -43,11 +45,15 @@ class Sequence:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    abort_reason: AbortReason | None = None
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
     input_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = dataclasses.field(default_factory=list)
     stream_queue: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    # A subscriber (RequestHandle.subscribe) takes chunks instead of the queue: no thread per request.
+    listener: Callable[[StreamChunk], None] | None = None
+    listener_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     output: GenerateOutput | None = None
 
@@ -84,6 +90,7 @@ class Sequence:
             cached_tokens=self.cached_tokens_reported,
             jump_forward_tokens=self.jump_forward_tokens,
             error=self.error,
+            abort_reason=self.abort_reason,
         )
         if p.return_logprob:
             out.output_logprobs = list(self.output_logprobs)
@@ -103,6 +110,12 @@ class Sequence:
         if final:
             self.output = self.build_output()
         if delta or final:
-            self.stream_queue.put(StreamChunk(self.rid, delta, list(self.output_ids), final, self.output))
+            chunk = StreamChunk(self.rid, delta, list(self.output_ids), final, self.output)
+            with self.listener_lock:
+                listener = self.listener
+                if listener is None:
+                    self.stream_queue.put(chunk)
+            if listener is not None:
+                listener(chunk)
         if final:
             self.done.set()

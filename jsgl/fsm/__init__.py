@@ -1,14 +1,27 @@
 """Constrained decoding with a compressed FSM (SGLang §4): regex / JSON schema -> token masks + jump-forward.
 
 Typical engine use:
+    validate_regex(regex)                             # static checks: InvalidRequestError / ConstraintBudgetError
     fut = get_index_async(regex, tokenizer)           # background build, cached in memory and on disk
     constraint = RegexConstraint(fut.result(), eos_ids)
     mask = constraint.allowed_token_bitmask()         # packed uint32, bit i of word i>>5 = token i
     constraint.advance(token_id)
     text = constraint.jump_forward_text(); ...; constraint.advance_text(text)
+    release_index(fut)                                # when the request ends: cancels a build nobody awaits
+
+Builds are bounded by a BuildBudget (budget.py; DEFAULT_BUDGET unless one is passed).
 """
 
-from jsgl.fsm.cache import clear_memory_cache, get_index, get_index_async
+from jsgl.fsm.budget import DEFAULT_BUDGET, BuildBudget
+from jsgl.fsm.cache import (
+    build_stats,
+    clear_memory_cache,
+    evict_disk_cache,
+    get_index,
+    get_index_async,
+    release_index,
+    start_build_workers,
+)
 from jsgl.fsm.constraint import RegexConstraint
 from jsgl.fsm.json_schema import DTYPE_REGEX, json_schema_to_regex, regex_for_dtype
 from jsgl.fsm.jump_forward import jump_forward_string, jump_forward_table, jump_target
@@ -18,14 +31,18 @@ from jsgl.fsm.vocab import VocabBytes, vocab_bytes
 
 __all__ = [
     "DEAD",
+    "DEFAULT_BUDGET",
     "DTYPE_REGEX",
+    "BuildBudget",
     "CharFSM",
     "RegexConstraint",
     "TokenIndex",
     "VocabBytes",
+    "build_stats",
     "build_token_index",
     "clear_memory_cache",
     "compile_regex",
+    "evict_disk_cache",
     "get_index",
     "get_index_async",
     "json_schema_to_regex",
@@ -33,6 +50,8 @@ __all__ = [
     "jump_forward_table",
     "jump_target",
     "regex_for_dtype",
+    "release_index",
+    "start_build_workers",
     "validate_regex",
     "vocab_bytes",
 ]

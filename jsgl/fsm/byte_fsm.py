@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jsgl.fsm.budget import DEFAULT_BUDGET, BuildGuard
 from jsgl.fsm.regex_fsm import DEAD, CharFSM
 
 # lead byte -> (continuation bytes still to come, lowest and highest allowed second byte)
@@ -84,7 +85,10 @@ class _Builder:
         return nid
 
 
-def to_byte_fsm(fsm: CharFSM) -> ByteFSM:
+def to_byte_fsm(fsm: CharFSM, guard: BuildGuard | None = None, state_bytes: int = 0) -> ByteFSM:
+    """`state_bytes`: what each byte state will cost in the token index; with the guard, the build
+    stops as soon as the states made so far exceed the index budget (before the vocabulary walk)."""
+    guard = guard or BuildGuard(DEFAULT_BUDGET)
     n = fsm.num_states
     builder = _Builder(n)
     # Explicit characters per class, split into ASCII bytes and multi-byte encodings.
@@ -103,6 +107,9 @@ def to_byte_fsm(fsm: CharFSM) -> ByteFSM:
 
     per_row: dict[tuple[int, ...], np.ndarray] = {}  # states with identical rows share byte rows
     for s in range(n):
+        guard.check()
+        if state_bytes:
+            guard.check_index_bytes(len(builder.rows) * state_bytes, "the token index's per-state tables")
         trow = fsm.transitions[s]
         key = tuple(int(x) for x in trow)
         cached = per_row.get(key)

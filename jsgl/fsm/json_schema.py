@@ -14,6 +14,12 @@ other than date/time/date-time/uuid are annotations and are ignored, as JSON Sch
 format vocabulary does. Schema-less values (`{}`, `true`, objects without properties) allow JSON
 nested ANY_VALUE_DEPTH levels deep: regexes cannot count brackets, and every extra level multiplies
 the FSM size (interegular's construction time dominates index builds for large schemas).
+
+Conversion is bounded by a BuildBudget (ConstraintBudgetError, naming the limit): nesting depth
+(max_schema_depth; never a RecursionError), the regex length that `$ref`s expand to
+(max_regex_chars), minLength/maxLength/minItems/maxItems (max_repeat, and max_expanded divided by
+what one character / item expands to: 400 string characters by default) and integer bounds
+(max_integer_digits).
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import json
 import math
 from typing import Any
 
-from jsgl.engine.request import InvalidRequestError
+from jsgl.errors import ConstraintBudgetError, InvalidRequestError
+from jsgl.fsm.budget import DEFAULT_BUDGET, BuildBudget
 from jsgl.fsm.int_range import int_range_regex
+from jsgl.fsm.static_check import expanded_size, parse
 
 _HEX = "[0-9a-fA-F]"
 # One JSON string character = one decoded character (so minLength/maxLength count right): a raw
@@ -90,10 +98,23 @@ _KNOWN = _GENERIC | _ANNOTATIONS | set().union(*_BY_TYPE.values())
 ANY_VALUE_DEPTH = 1  # nesting for schema-less values ({}); each level multiplies FSM build time
 
 
+_UNBOUNDED = BuildBudget(max_repeat=2**63, max_nesting=2**31)  # to measure our own sub-regexes
+
+
+def positions(regex: str) -> int:
+    """Static size of a regex (static_check.expanded_size, not budget-checked)."""
+    return expanded_size(parse(regex), _UNBOUNDED)
+
+
+STRING_CHAR_POSITIONS = positions(STRING_CHAR)  # 25: maxLength n costs 25 n positions
+
+
 class _Converter:
-    def __init__(self, root: dict[str, Any], whitespace: str | None) -> None:
+    def __init__(self, root: dict[str, Any], whitespace: str | None, budget: BuildBudget) -> None:
         self.root = root
         self.ws = whitespace
+        self.budget = budget
+        self.depth = 0  # nested subschemas being converted ($ref hops are counted in ref_stack)
         if whitespace is None:
             self.item_sep, self.key_sep, self.inner = ", ", ": ", ""
         else:
@@ -104,7 +125,30 @@ class _Converter:
     def fail(self, msg: str) -> InvalidRequestError:
         return InvalidRequestError(f"unsupported JSON schema: {msg}")
 
-    def convert(self, schema: Any) -> str:
+    def over(self, msg: str) -> ConstraintBudgetError:
+        return ConstraintBudgetError(f"JSON schema over the server's budget: {msg}")
+
+    def convert(self, schema: Any, hop: bool = False) -> str:
+        """Regex of one subschema, with nesting and size bounded: the recursion stays far from
+        Python's limit (a schema nested 400 deep used to raise RecursionError), and `$ref`s that
+        double at every level (1.2 KB of schema -> gigabytes of regex) stop at max_regex_chars."""
+        if not hop:
+            if self.depth > self.budget.max_schema_depth:  # the root is level 0
+                raise self.over(f"it nests deeper than the limit ({self.budget.max_schema_depth} levels)")
+            self.depth += 1
+        try:
+            rx = self._convert(schema)
+        finally:
+            self.depth -= 0 if hop else 1
+        self.check_length(len(rx))
+        return rx
+
+    def check_length(self, chars: int) -> None:
+        if chars > self.budget.max_regex_chars:
+            raise self.over(f"it expands to a regex of more than {self.budget.max_regex_chars} characters, "
+                            "the server's limit (e.g. through $refs that repeat other definitions)")
+
+    def _convert(self, schema: Any) -> str:
         if schema is True or schema == {}:
             return self.any_value(ANY_VALUE_DEPTH)
         if schema is False:
@@ -153,6 +197,8 @@ class _Converter:
             raise self.fail(f"only local $ref are supported, got {ref!r}")
         if ref in self.ref_stack:
             raise self.fail(f"recursive $ref {ref!r}")
+        if len(self.ref_stack) >= self.budget.max_schema_depth:
+            raise self.over(f"$refs nest deeper than the limit ({self.budget.max_schema_depth})")
         node: Any = self.root
         for part in [p for p in ref[1:].split("/") if p]:
             part = part.replace("~1", "/").replace("~0", "~")
@@ -162,27 +208,32 @@ class _Converter:
         self.ref_stack.append(ref)
         try:
             siblings = {k: v for k, v in schema.items() if k != "$ref" and k not in _ANNOTATIONS}
-            return self.convert({**node, **siblings} if siblings else node)
+            return self.convert({**node, **siblings} if siblings else node, hop=True)
         finally:
             self.ref_stack.pop()
 
     def enum(self, values: list[Any]) -> str:
         if not values:
             raise self.fail("empty enum")
-        alts: list[str] = []
+        alts: dict[str, None] = {}  # ordered and deduplicated in linear time
+        chars = 0
         for v in values:
             rx = self.const(v)
-            if rx not in alts:
-                alts.append(rx)
+            chars += len(rx) if rx not in alts else 0
+            self.check_length(chars)
+            alts[rx] = None
         return "(?:" + "|".join(alts) + ")"
 
-    def const(self, value: Any) -> str:
+    def const(self, value: Any, depth: int = 0) -> str:
         """Regex for one JSON value in this layout (containers get the layout's whitespace)."""
+        if depth + self.depth > self.budget.max_schema_depth:
+            raise self.over(f"a const/enum value nests deeper than the limit ({self.budget.max_schema_depth} levels)")
         if isinstance(value, dict):
-            body = self.item_sep.join(self.const(str(k)) + self.key_sep + self.const(v) for k, v in value.items())
+            body = self.item_sep.join(self.const(str(k)) + self.key_sep + self.const(v, depth + 1)
+                                      for k, v in value.items())
             return r"\{" + (self.inner + body + self.inner if body else self.inner) + r"\}"
         if isinstance(value, list):
-            body = self.item_sep.join(self.const(v) for v in value)
+            body = self.item_sep.join(self.const(v, depth + 1) for v in value)
             return r"\[" + (self.inner + body + self.inner if body else self.inner) + r"\]"
         spellings = {literal(json.dumps(value, ensure_ascii=a)) for a in (True, False)}  # "é" or "\u00e9"
         return spellings.pop() if len(spellings) == 1 else "(?:" + "|".join(sorted(spellings)) + ")"
@@ -212,14 +263,48 @@ class _Converter:
         fmt = schema.get("format")
         if fmt in FORMATS:
             return FORMATS[fmt]
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        lo, hi = self.count_range(schema, "minLength", "maxLength", STRING_CHAR_POSITIONS, "characters")
         if lo == 0 and hi is None:
             return STRING
-        return f'"{STRING_CHAR}{{{int(lo)},{"" if hi is None else int(hi)}}}"'
+        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+
+    def count(self, schema: dict[str, Any], key: str, unit_positions: int, unit: str) -> int | None:
+        """A length / item-count keyword, validated and bounded: each counted unit expands to
+        `unit_positions` regex positions, so the limit is what keeps the static size in budget."""
+        v = schema.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not v.is_integer()):
+            raise self.fail(f"{key} must be a non-negative integer, got {v!r}")
+        if v < 0:
+            raise self.fail(f"{key} must be a non-negative integer, got {v!r}")
+        limit = min(self.budget.max_repeat, self.budget.max_expanded // max(unit_positions, 1))
+        if v > limit:
+            raise self.over(f"{key} {int(v)} exceeds the server's limit ({limit} {unit})")
+        return int(v)
+
+    def count_range(self, schema: dict[str, Any], lo_key: str, hi_key: str, unit_positions: int,
+                    unit: str) -> tuple[int, int | None]:
+        lo = self.count(schema, lo_key, unit_positions, unit) or 0
+        hi = self.count(schema, hi_key, unit_positions, unit)
+        if hi is not None and lo > hi:
+            raise self.fail(f"{lo_key} {lo} > {hi_key} {hi}")
+        return lo, hi
+
+    def int_bound(self, schema: dict[str, Any], key: str) -> float | None:
+        v = schema.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise self.fail(f"{key} must be a finite number, got {v!r}")
+        if abs(v) >= 10 ** self.budget.max_integer_digits:
+            raise self.over(f"{key} {v:.3g} exceeds the server's limit "
+                            f"(integers of at most {self.budget.max_integer_digits} digits)")
+        return v
 
     def number(self, schema: dict[str, Any], integer: bool) -> str:
-        lo, hi = schema.get("minimum"), schema.get("maximum")
-        xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+        lo, hi = self.int_bound(schema, "minimum"), self.int_bound(schema, "maximum")
+        xlo, xhi = self.int_bound(schema, "exclusiveMinimum"), self.int_bound(schema, "exclusiveMaximum")
         if not integer:
             if hi is None and xhi is None and xlo is None and lo in (None, 0):
                 return NUMBER if lo is None else r"(?:0|[1-9][0-9]*)" + _FRACTION_EXP
@@ -237,20 +322,21 @@ class _Converter:
         return int_range_regex(a, b)
 
     def array(self, schema: dict[str, Any]) -> str:
-        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
-        hi = None if hi is None else int(hi)
         sep, open_, close = self.item_sep, r"\[" + self.inner, self.inner + r"\]"
         prefix = [self.convert(s) for s in schema.get("prefixItems", [])]
         items = schema.get("items", True if not prefix else False)
+        item = self.convert(items) if items is not False else ""
+        lo, hi = self.count_range(schema, "minItems", "maxItems", positions(sep + item), "items of this schema")
         if prefix:
             body = sep.join(prefix)
             if items is not False:
                 more = None if hi is None else hi - len(prefix)
-                body += f"(?:{sep}{self.convert(items)}){{0,{'' if more is None else more}}}"
+                if more is not None and more < 0:
+                    raise self.fail(f"maxItems {hi} is smaller than the {len(prefix)} prefixItems")
+                body += f"(?:{sep}{item}){{0,{'' if more is None else more}}}"
             return open_ + body + close
         if hi == 0:
             return open_ + close
-        item = self.convert(items)
         rest = f"(?:{sep}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
         body = f"{item}{rest}"
         return open_ + (body if lo >= 1 else f"(?:{body})?") + close
@@ -273,10 +359,14 @@ class _Converter:
                  for k, v in props.items()]
         # The first present property carries no separator; every later one is `sep pair`. So
         # branch on which property comes first: only optional properties may be skipped before it.
+        # (Quadratic in leading optional properties: the size is checked as the branches grow.)
         branches: list[str] = []
+        chars = 0
         for first, (pair, req) in enumerate(pairs):
             tail = "".join(f"{sep}{p}" if r else f"(?:{sep}{p})?" for p, r in pairs[first + 1 :])
             branches.append(pair + tail)
+            chars += len(branches[-1])
+            self.check_length(chars)
             if req:
                 break
         else:
@@ -299,9 +389,13 @@ def _as_list(t: Any) -> list[str]:
     return t if isinstance(t, list) else [t]
 
 
-def json_schema_to_regex(schema: dict[str, Any] | str | type | bool, whitespace: str | None = None) -> str:
+def json_schema_to_regex(schema: dict[str, Any] | str | type | bool, whitespace: str | None = None,
+                         budget: BuildBudget | None = None) -> str:
     """Regex (full-match) for JSON documents valid under `schema`: a dict, a JSON string, or a
-    pydantic BaseModel subclass. See the module docstring for `whitespace`."""
+    pydantic BaseModel subclass. See the module docstring for `whitespace`. Raises
+    InvalidRequestError for what cannot be expressed, ConstraintBudgetError (a subclass) for a
+    schema over `budget` (default DEFAULT_BUDGET): nesting depth, regex size, length/item counts,
+    integer bounds."""
     if isinstance(schema, type):
         try:
             schema = schema.model_json_schema()  # type: ignore[attr-defined]
@@ -312,7 +406,9 @@ def json_schema_to_regex(schema: dict[str, Any] | str | type | bool, whitespace:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequestError("json_schema nests too deeply") from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(f"json_schema must be an object, got {type(schema).__name__}")
     root = schema if isinstance(schema, dict) else {}
-    return _Converter(root, whitespace).convert(schema)
+    return _Converter(root, whitespace, budget or DEFAULT_BUDGET).convert(schema)

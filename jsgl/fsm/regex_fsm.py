@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import interegular
 import numpy as np
 from interegular.fsm import anything_else
 
-from jsgl.engine.request import InvalidRequestError
+from jsgl.errors import InvalidRequestError
+from jsgl.fsm import interegular_patch
+from jsgl.fsm.budget import DEFAULT_BUDGET, BuildBudget, BuildGuard, BuildPreempted
+from jsgl.fsm.static_check import check_regex
+
+interegular_patch.install()
 
 DEAD = -1
 
@@ -117,14 +123,27 @@ def _strip_anchors(pattern: str) -> str:
     return pattern
 
 
-def validate_regex(pattern: str) -> str:
-    """Cheap syntax check (no FSM construction); returns the interegular-ready pattern.
+def validate_regex(pattern: str, budget: BuildBudget | None = None) -> str:
+    """Cheap syntax and size check (no FSM construction); returns the interegular-ready pattern.
 
-    Python's `re` is the reference for what a valid pattern is (interegular accepts some patterns
-    Python rejects, like `a**`); interegular's parser then reports features it cannot express.
+    Raises InvalidRequestError for a bad or unsupported pattern, ConstraintBudgetError (a subclass)
+    for one obviously over `budget` (default DEFAULT_BUDGET): see `static_check`.
     """
+    return _validate(_string(pattern), budget or DEFAULT_BUDGET)[0]
+
+
+def _string(pattern: object) -> str:
     if not isinstance(pattern, str):
         raise InvalidRequestError(f"regex must be a string, not {type(pattern).__name__}")
+    return pattern
+
+
+@lru_cache(maxsize=64)  # the engine validates on submit and again when queueing (54 ms for a 5 K schema)
+def _validate(pattern: str, budget: BuildBudget) -> tuple[str, int]:
+    """(interegular-ready pattern, static cost). Python's `re` is the reference for what a valid
+    pattern is (interegular accepts some patterns Python rejects, like `a**`); interegular's parser
+    then reports features it cannot express."""
+    cost = check_regex(pattern, budget)
     try:
         re.compile(pattern)
     except re.error as e:
@@ -132,14 +151,21 @@ def validate_regex(pattern: str) -> str:
     expanded = _strip_anchors(_expand_unicode_escapes(pattern))
     try:
         interegular.parse_pattern(expanded)
+    except RecursionError:
+        raise InvalidRequestError("regex nests too deeply for constrained decoding") from None
     except Exception as e:  # interegular raises bare Exception subclasses
         raise InvalidRequestError(
             f"regex {pattern!r} is not supported for constrained decoding: {type(e).__name__}: {e}"
         ) from None
-    return expanded
+    return expanded, cost
 
 
-def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def regex_cost(pattern: str, budget: BuildBudget | None = None) -> int:
+    """Validate `pattern` like `validate_regex` and return its static cost estimate (expanded size)."""
+    return _validate(_string(pattern), budget or DEFAULT_BUDGET)[1]
+
+
+def _minimize(table: np.ndarray, accepting: np.ndarray, guard: BuildGuard) -> tuple[np.ndarray, np.ndarray]:
     """Hopcroft's partition refinement (O(K n log n); the simpler Moore rounds go quadratic on the
     long chains that `{m,n}` repeats produce). Returns (block of each state, representative of each
     block). DEAD edges go to an explicit sink so the DFA is complete."""
@@ -157,7 +183,11 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
     block = [0 if a else 1 for a in acc.tolist()]
     smaller = 0 if len(blocks[0]) <= len(blocks[1]) else 1
     work = {(smaller, k) for k in range(k_count)}
+    rounds = 0
     while work:
+        rounds += 1
+        if rounds % 256 == 0:  # a round is microseconds; a clock read per round would be ~5%
+            guard.check()
         b, k = work.pop()
         order, bounds = inverse[k]
         touched: dict[int, list[int]] = {}
@@ -182,13 +212,22 @@ def _minimize(table: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.
     return part, reps
 
 
-def compile_regex(pattern: str) -> CharFSM:
-    """Regex (Python syntax, full-match semantics) -> CharFSM. Raises InvalidRequestError."""
-    expanded = validate_regex(pattern)
+def compile_regex(pattern: str, guard: BuildGuard | None = None) -> CharFSM:
+    """Regex (Python syntax, full-match semantics) -> CharFSM. Raises InvalidRequestError, and
+    ConstraintBudgetError / CancelledError when `guard` (default: DEFAULT_BUDGET from now) says so."""
+    guard = guard or BuildGuard(DEFAULT_BUDGET)
+    expanded = validate_regex(pattern, guard.budget)
+    guard.check()
     try:
-        fsm = interegular.parse_pattern(expanded).to_fsm()
+        with guard.active():  # interegular's crawl (interegular_patch) polls the guard per state
+            fsm = interegular.parse_pattern(expanded).to_fsm()
+    except (InvalidRequestError, CancelledError, BuildPreempted):
+        raise  # the guard's verdicts (budget errors are InvalidRequestErrors)
+    except RecursionError:
+        raise InvalidRequestError("regex nests too deeply for constrained decoding") from None
     except Exception as e:
         raise InvalidRequestError(f"regex {pattern!r} cannot be turned into an FSM: {e}") from None
+    guard.check()
 
     # Class ids: interegular's transition keys, made contiguous; anything_else gets one too (even when
     # absent) so every character has a class.
@@ -233,10 +272,11 @@ def compile_regex(pattern: str) -> CharFSM:
                 live[a] = True
                 queue.append(a)
     if not live[0]:
-        raise InvalidRequestError(f"regex {pattern!r} matches no string")
+        raise InvalidRequestError(f"the constraint matches no string (regex {pattern!r})")
+    guard.check()
     table = np.where((table >= 0) & live[np.maximum(table, 0)], table, DEAD)
 
-    part, reps = _minimize(table, accepting)
+    part, reps = _minimize(table, accepting, guard)
     q_table = np.where(table[reps] >= 0, part[np.maximum(table[reps], 0)], DEAD)
     q_accepting = accepting[reps]
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jsgl.errors import InvalidRequestError
+from jsgl.fsm.budget import DEFAULT_BUDGET, BuildGuard
 from jsgl.fsm.byte_fsm import ByteFSM, to_byte_fsm
 from jsgl.fsm.jump_forward import jump_forward_table
 from jsgl.fsm.regex_fsm import DEAD, CharFSM
@@ -194,20 +196,42 @@ def _token_live_states(bfsm: ByteFSM, per_state: list[tuple[np.ndarray, np.ndarr
     return live
 
 
-def build_token_index(fsm: CharFSM, vocab: VocabBytes, vocab_size: int | None = None) -> TokenIndex:
+def build_token_index(fsm: CharFSM, vocab: VocabBytes, vocab_size: int | None = None,
+                      guard: BuildGuard | None = None) -> TokenIndex:
+    """Index of `fsm` over `vocab`. Raises ConstraintBudgetError when the index would exceed the
+    guard's byte budget (checked before and during the walk, so memory never balloons first) or its
+    deadline passes, CancelledError when the build is released, and InvalidRequestError when no
+    token sequence reaches an accepting state."""
     t0 = time.perf_counter()
-    bfsm = to_byte_fsm(fsm)
+    guard = guard or BuildGuard(DEFAULT_BUDGET)
+    if fsm.num_states > guard.budget.max_states:  # compile_regex's automata are already bounded
+        guard.fail_states(fsm.num_states + 1, "the regex automaton")
+    size = max(vocab.size, vocab_size or 0)
+    words = (size + 31) // 32
+    # Per state: bitmask words, byte transitions, indptr, accepting; plus 8 bytes per allowed token.
+    state_bytes = words * 4 + 256 * 4 + 8 + 1
+    bfsm = to_byte_fsm(fsm, guard, state_bytes)
     n = bfsm.num_states
+    fixed_bytes = n * state_bytes
+    guard.check_index_bytes(fixed_bytes, "the token index's per-state tables")
     sink = n  # DEAD redirected to an absorbing extra row so the walk needs no branching
     table = np.vstack([bfsm.transitions, np.full((1, 256), sink, np.int32)])
     table[table == DEAD] = sink
-    per_state = [_walk_vocab(table, sink, s, vocab) for s in range(n)]
+    per_state: list[tuple[np.ndarray, np.ndarray]] = []
+    allowed = 0
+    for s in range(n):  # ~1 ms a state for a 49 K vocabulary
+        guard.check()
+        ids, nxt = _walk_vocab(table, sink, s, vocab)
+        per_state.append((ids, nxt))
+        allowed += len(ids)
+        guard.check_index_bytes(fixed_bytes + 8 * allowed, "the token index")
 
     live = _token_live_states(bfsm, per_state)
+    if not live[0]:  # the start state (char state 0)
+        raise InvalidRequestError(
+            f"the constraint matches no string the tokenizer can produce (regex {fsm.pattern!r})")
     per_state = [(ids[live[nxt]], nxt[live[nxt]]) for ids, nxt in per_state]
 
-    size = max(vocab.size, vocab_size or 0)
-    words = (size + 31) // 32
     masks = np.zeros((n, words), dtype=np.uint32)
     for s, (ids, _) in enumerate(per_state):
         bits = np.zeros(words * 32, dtype=bool)

@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from jsgl.model.tokenizer import stop_token_ids
-
 
 def byte_level_decoder() -> dict[str, int]:
     """Stand-in character -> byte for byte-level BPE: printable Latin-1 bytes stand for themselves,
@@ -91,6 +89,8 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
 
 
 def build_vocab_bytes(tokenizer: Any) -> VocabBytes:
+    from jsgl.model.tokenizer import stop_token_ids  # here: build workers import this module without transformers
+
     eos = tuple(sorted(stop_token_ids(tokenizer)))
     special = _special_ids(tokenizer) | set(eos)
     token_bytes = _token_bytes(tokenizer, special)

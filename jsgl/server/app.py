@@ -17,6 +17,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,11 +25,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jsgl.engine.request import InvalidRequestError
+from jsgl.errors import InvalidRequestError, OverloadedError
 from jsgl.server import generate_api, openai_api, openai_chat
 from jsgl.server.common import APIError, ServerState, error_body, server_state
+from jsgl.server.limits import BodySizeLimit, ServerLimits
 from jsgl.server.protocol import AbortRequest
 
 log = logging.getLogger("jsgl.server")
@@ -40,13 +43,17 @@ class APIKeyMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware, which would get between a streaming response and the
     client's disconnect notice)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, admin_key: str | None = None) -> None:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.admin = f"Bearer {admin_key}".encode() if admin_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):  # constant time: do not leak the key
+            # Constant time (do not leak the key); both compared always, so timing does not say which.
+            ok = hmac.compare_digest(given, self.expected)
+            ok = hmac.compare_digest(given, self.admin or self.expected) or ok
+            if not ok:
                 body = error_body("invalid or missing API key (send Authorization: Bearer <key>)", 401,
                                   "authentication_error")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
@@ -89,11 +96,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), 400), status_code=400)
 
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 503, "server_overloaded"), status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed")
-        status = 503 if "shut down" in str(exc) else 500
-        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", status, "server_error"), status_code=status)
+        # The client gets an id to quote, never the exception text (it may hold another request's input).
+        error_id = secrets.token_hex(6)
+        log.exception("request failed (error id %s)", error_id)
+        stopped = not server_state(request).engine._thread.is_alive()
+        status = 503 if stopped else 500
+        message = "the engine is shut down" if stopped else "internal server error"
+        return JSONResponse(error_body(f"{message} (error id {error_id})", status, "server_error"),
+                            status_code=status)
 
 
 def _install_admin_routes(app: FastAPI) -> None:
@@ -122,6 +143,7 @@ def _install_admin_routes(app: FastAPI) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> dict[str, Any]:
+        _require_admin(request, "flushing the cache")
         if not await asyncio.to_thread(server_state(request).engine.flush_cache):
             raise APIError("the cache was not flushed: requests are running; retry when idle", status=400)
         return {"success": True, "message": "Cache flushed."}
@@ -130,6 +152,7 @@ def _install_admin_routes(app: FastAPI) -> None:
     async def abort_request(req: AbortRequest, request: Request) -> dict[str, Any]:
         state = server_state(request)
         if req.abort_all:
+            _require_admin(request, "abort_all")
             rids = state.registry.ids()
         elif req.rid:
             rids = [req.rid]
@@ -140,6 +163,13 @@ def _install_admin_routes(app: FastAPI) -> None:
         return {"success": True, "aborted": rids}
 
 
+def _require_admin(request: Request, action: str) -> None:
+    state = server_state(request)
+    if not state.limits.is_admin(request.headers.get("authorization"), state.api_key):
+        raise APIError(f"{action} acts on every client's requests: it needs the admin key (--admin-key)",
+                       status=403, type_="permission_error")
+
+
 def _version() -> str:
     from jsgl import __version__
 
@@ -147,7 +177,7 @@ def _version() -> str:
 
 
 def create_app(engine: Any, api_key: str | None = None, model_name: str | None = None,
-               owns_engine: bool = False) -> FastAPI:
+               owns_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
     """The ASGI app over a running Engine; with `owns_engine` it shuts the engine down on app shutdown."""
 
     @contextlib.asynccontextmanager
@@ -158,19 +188,23 @@ def create_app(engine: Any, api_key: str | None = None, model_name: str | None =
             print("jsgl: engine stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="jsgl", version=_version(), lifespan=lifespan)
-    app.state.jsgl = ServerState(engine=engine, model_name=model_name or engine.config.model, api_key=api_key)
+    limits = limits or ServerLimits()
+    app.state.jsgl = ServerState(engine=engine, model_name=model_name or engine.config.model, api_key=api_key,
+                                 limits=limits)
     _install_error_handlers(app)
     _install_admin_routes(app)
     app.include_router(generate_api.router)
     app.include_router(openai_api.router)
     app.include_router(openai_chat.router)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for a caller without the key
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, admin_key=limits.admin_key)
     return app
 
 
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-          log_level: str | None = None) -> None:
+          log_level: str | None = None, limits: ServerLimits | None = None, timeout_keep_alive: int = 5,
+          limit_concurrency: int | None = None) -> None:
     """Load the engine and serve until SIGINT/SIGTERM (uvicorn's graceful shutdown, then the engine's)."""
     import uvicorn
 
@@ -179,7 +213,8 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 30000, api_ke
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach the port can use the model", host)
     engine = Engine(config=engine_config)
-    app = create_app(engine, api_key=api_key, owns_engine=True)
+    app = create_app(engine, api_key=api_key, owns_engine=True, limits=limits)
     print(f"jsgl: serving {engine_config.model} at http://{host}:{port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level or os.environ.get("JSGL_LOG_LEVEL", "warning"),
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=timeout_keep_alive,
+                limit_concurrency=limit_concurrency)

@@ -10,7 +10,8 @@ from typing import Any
 
 from fastapi import Request
 
-from jsgl.engine.request import FinishReason, GenerateOutput
+from jsgl.engine.request import AbortReason, FinishReason, GenerateOutput
+from jsgl.server.limits import ServerLimits, error_body  # noqa: F401  (error_body: re-exported)
 from jsgl.server.streaming import RequestRegistry
 
 
@@ -23,16 +24,12 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param = message, status, type_, param
 
 
-def error_body(message: str, status: int, type_: str = "invalid_request_error",
-               param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
 @dataclasses.dataclass
 class ServerState:
     engine: Any
     model_name: str
     api_key: str | None = None
+    limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     registry: RequestRegistry = dataclasses.field(default_factory=RequestRegistry)
     started_at: float = dataclasses.field(default_factory=time.time)
     token_text: Callable[[int], str] = dataclasses.field(init=False)
@@ -77,7 +74,33 @@ def finish_reason_dict(out: GenerateOutput) -> dict[str, Any] | None:
 
 def failed(out: GenerateOutput) -> bool:
     """Aborted by something other than the caller (an engine failure or shutdown)."""
-    return out.finish_reason == FinishReason.ABORT and (out.error or "aborted") != "aborted"
+    return out.finish_reason == FinishReason.ABORT and out.abort_reason not in (None, AbortReason.CLIENT)
+
+
+def raise_if_invalid(outs: list[GenerateOutput | None]) -> None:
+    """A request whose own input failed while running (a constraint that did not build) is the client's
+    mistake: answer 400 with its message, as if it had been caught at submission."""
+    for out in outs:
+        if out is not None and out.abort_reason == AbortReason.INVALID_REQUEST:
+            raise APIError(out.error or "invalid request", status=400)
+
+
+async def raise_if_invalid_first(group: Any) -> None:
+    """Before a stream starts (and its 200 is sent): a request whose constraint failed to build is still
+    answered 400. Waits for the group's first event, which the stream then yields as usual."""
+    try:
+        _, first = await group.peek()
+        raise_if_invalid([first.output])
+    except BaseException:
+        group.abort_unfinished()
+        raise
+
+
+def check_batch(state: ServerState, count: int) -> None:
+    limit = state.limits.max_batch_prompts
+    if count > limit:
+        raise APIError(f"{count} prompts (times n) in one request; this server allows at most {limit} "
+                       "(--max-batch-prompts)", param="text")
 
 
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:

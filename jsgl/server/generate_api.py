@@ -12,13 +12,24 @@ the full meta_info, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 from jsgl.engine.request import GenerateOutput
-from jsgl.server.common import APIError, ServerState, check_max_tokens, finish_reason_dict, server_state
+from jsgl.server.common import (
+    APIError,
+    ServerState,
+    check_batch,
+    check_max_tokens,
+    finish_reason_dict,
+    raise_if_invalid,
+    raise_if_invalid_first,
+    server_state,
+)
 from jsgl.server.protocol import GenerateRequest, GenerateSamplingParams, TokenizeRequest
 from jsgl.server.streaming import (
     SSE_DONE,
@@ -105,21 +116,29 @@ def generate_body(state: ServerState, out: GenerateOutput, return_logprob: bool,
 async def generate(req: GenerateRequest, request: Request) -> Any:
     state = server_state(request)
     prompts, single = _prompts(req)
+    check_batch(state, len(prompts))
     params = _engine_params(state, req, len(prompts))
     rids = None if req.rid is None else _per_item(req.rid, len(prompts), "rid")
     if rids is not None and not isinstance(req.rid, list) and len(prompts) > 1:
         raise APIError("a batch needs one `rid` per prompt", param="rid")
-    handles = await submit(state.engine, state.registry, prompts, params, rids)
+    handles = await submit(state.engine, state.registry, prompts, params, rids,
+                           max_live=state.limits.max_concurrent_requests)
     group = HandleGroup(handles, state.registry)
     with_text = req.return_text_in_logprobs
     if req.stream:
+        await raise_if_invalid_first(group)
         return sse_response(stream_guard(group, lambda: _stream(state, group, params, single, with_text)))
     try:
         outs = await group.outputs(request)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the requests were aborted and their KV freed
-    bodies = [generate_body(state, out, p["return_logprob"], with_text) for out, p in zip(outs, params)]
-    return bodies[0] if single else bodies
+    raise_if_invalid(outs)
+
+    def render() -> bytes:  # logprob bodies can be megabytes: built and encoded off the event loop
+        bodies = [generate_body(state, out, p["return_logprob"], with_text) for out, p in zip(outs, params)]
+        return json.dumps(bodies[0] if single else bodies, ensure_ascii=False).encode()
+
+    return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
 async def _stream(state: ServerState, group: HandleGroup, params: list[dict[str, Any]], single: bool,
@@ -144,11 +163,13 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = server_state(request)
     tok = state.engine.tokenizer
 
-    def encode(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=req.add_special_tokens).input_ids)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    check_batch(state, len(prompts))
 
+    def encode() -> list[list[int]]:  # off the event loop: 20 x 1 MB once stalled /health for 8 s
+        return [list(tok(p, add_special_tokens=req.add_special_tokens).input_ids) for p in prompts]
+
+    batch = await asyncio.to_thread(encode)
     if isinstance(req.prompt, str):
-        ids = encode(req.prompt)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_context}
-    batch = [encode(p) for p in req.prompt]
+        return {"tokens": batch[0], "count": len(batch[0]), "max_model_len": state.max_context}
     return {"tokens": batch, "count": [len(b) for b in batch], "max_model_len": state.max_context}

@@ -131,14 +131,14 @@ class ServerThread:
     """Serve an existing in-process Engine with uvicorn on a background thread."""
 
     def __init__(self, engine: Any, host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", limits: Any = None) -> None:
         import uvicorn
 
         from jsgl.server.app import create_app
 
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.app = create_app(engine, api_key=api_key)
+        self.app = create_app(engine, api_key=api_key, limits=limits)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level,
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)

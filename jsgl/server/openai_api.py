@@ -8,6 +8,7 @@ accepted as extra body fields. Streamed logprobs arrive with each choice's final
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,17 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from jsgl.engine.request import FinishReason, GenerateOutput
-from jsgl.server.common import APIError, ServerState, check_max_tokens, failed, server_state, token_pieces
+from jsgl.server.common import (
+    APIError,
+    ServerState,
+    check_batch,
+    check_max_tokens,
+    failed,
+    raise_if_invalid,
+    raise_if_invalid_first,
+    server_state,
+    token_pieces,
+)
 from jsgl.server.protocol import CompletionRequest, OpenAIBase
 from jsgl.server.streaming import (
     SSE_DONE,
@@ -81,6 +92,7 @@ def usage(outs: list[GenerateOutput], n: int) -> dict[str, Any]:
 
 
 def raise_if_failed(outs: list[GenerateOutput]) -> None:
+    raise_if_invalid(outs)
     for out in outs:
         if failed(out):
             raise APIError(f"generation failed: {out.error}", status=500, type_="server_error")
@@ -88,8 +100,10 @@ def raise_if_failed(outs: list[GenerateOutput]) -> None:
 
 async def run_choices(state: ServerState, prompts: list[Any], params: dict[str, Any], n: int,
                       rid_base: str) -> HandleGroup:
+    check_batch(state, len(prompts) * n)
     all_prompts, all_params, rids = expand_n(prompts, params, n, rid_base)
-    handles = await submit(state.engine, state.registry, all_prompts, all_params, rids)
+    handles = await submit(state.engine, state.registry, all_prompts, all_params, rids,
+                           max_live=state.limits.max_concurrent_requests)
     return HandleGroup(handles, state.registry)
 
 
@@ -138,15 +152,20 @@ async def respond_with_choices(
         usage_chunk = None
         if req.stream_options is not None and req.stream_options.include_usage:
             usage_chunk = lambda outs: {**envelope(objects[0]), "choices": [], "usage": usage(outs, req.n)}  # noqa: E731
+        await raise_if_invalid_first(group)
         return sse_response(stream_guard(group, lambda: stream_choices(group, make_chunk, logprobs_of, usage_chunk)))
     try:
         outs = await group.outputs(request)
     except ClientDisconnected:
         return Response(status_code=499)
     raise_if_failed(outs)
-    choices = [{"index": i, **choice_fields(i, out), "logprobs": logprobs_of(out),
-                "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
-    return {**envelope(objects[1]), "choices": choices, "usage": usage(outs, req.n)}
+
+    def render() -> dict[str, Any]:  # logprobs can be large: built off the event loop
+        choices = [{"index": i, **choice_fields(i, out), "logprobs": logprobs_of(out),
+                    "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
+        return {**envelope(objects[1]), "choices": choices, "usage": usage(outs, req.n)}
+
+    return await asyncio.to_thread(render)
 
 
 # --------------------------------------------------------------------------------------------- endpoints

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jsgl.server.limits import find_invalid_unicode
 
 
 class _Strict(BaseModel):
@@ -19,6 +21,19 @@ class _Strict(BaseModel):
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class _ValidUnicode:
+    """Top-level request bodies: reject lone surrogates anywhere (a 400 naming the field, not a 500 from
+    the tokenizer or the response encoder)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        where = find_invalid_unicode(data)
+        if where:
+            raise ValueError(f"not valid Unicode: {where}")
+        return data
 
 
 # ---------------------------------------------------------------------------------------------- /generate
@@ -42,7 +57,7 @@ class GenerateSamplingParams(_Strict):
     jump_forward: bool | None = None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_ValidUnicode, _Strict):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams | list[GenerateSamplingParams] | None = None
@@ -54,12 +69,12 @@ class GenerateRequest(_Strict):
     stream: bool = False
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ValidUnicode, _Strict):
     prompt: str | list[str]
     add_special_tokens: bool = False  # False: exactly how /generate tokenizes a text prompt
 
 
-class AbortRequest(_Strict):
+class AbortRequest(_ValidUnicode, _Strict):
     rid: str | None = None
     abort_all: bool = False
 
@@ -93,7 +108,7 @@ class OpenAIBase(_Lenient):
     json_schema: str | dict[str, Any] | None = None
 
 
-class CompletionRequest(OpenAIBase):
+class CompletionRequest(_ValidUnicode, OpenAIBase):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -120,7 +135,7 @@ class ChatMessage(_Lenient):
     name: str | None = None
 
 
-class ChatCompletionRequest(OpenAIBase):
+class ChatCompletionRequest(_ValidUnicode, OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)

@@ -1,15 +1,14 @@
 """Bridging the thread-based engine to asyncio, and Server-Sent Events.
 
-The engine hands results out through a blocking per-request queue (`RequestHandle.stream()`). Each
-request gets a small daemon thread that drains that queue and forwards chunks to the event loop with
-`call_soon_threadsafe`, so the loop never blocks and a slow client never stalls the engine. A thread per
-live request is cheap next to the model (they sleep on the queue), and unlike `run_in_executor` it cannot
-starve when many streams are open at once: the default executor has only min(32, cpus + 4) workers.
+Each request's chunks reach the event loop through `RequestHandle.subscribe`: the engine thread hands
+each chunk to `call_soon_threadsafe`, so the loop never blocks, a slow client never stalls the engine,
+and no thread is started per request (a 3,000-prompt batch once started ~2,900 pump threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,7 +17,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from jsgl.engine.request import InvalidRequestError, StreamChunk
+from jsgl.engine.request import StreamChunk
+from jsgl.errors import OverloadedError
 
 
 class ClientDisconnected(Exception):
@@ -61,16 +61,16 @@ class RequestRegistry:
 
 
 async def submit(engine: Any, registry: RequestRegistry, prompts: list[Any], params: list[dict[str, Any]],
-                 rids: list[str] | None = None) -> list[Any]:
-    """Queue the requests; raises InvalidRequestError (-> 400) before any is queued when one is bad.
+                 rids: list[str] | None = None, max_live: int | None = None) -> list[Any]:
+    """Queue the requests; raises InvalidRequestError (-> 400) before any is queued when one is bad, and
+    OverloadedError (-> 503) when `max_live` requests would be exceeded.
 
     Submission runs in a worker thread because it tokenizes (and may validate a regex), which is too
-    slow for the event loop on long prompts.
+    slow for the event loop on long prompts. The engine itself refuses an id that is in use.
     """
-    if rids is not None:
-        dup = [r for r in rids if r in registry] or ([r for r in rids if rids.count(r) > 1])
-        if dup:
-            raise InvalidRequestError(f"request id {dup[0]!r} is already in use")
+    if max_live is not None and len(registry) + len(prompts) > max_live:
+        raise OverloadedError(f"the server is at its limit of {max_live} concurrent requests "
+                              "(--max-concurrent-requests); retry later")
 
     def run() -> list[Any]:
         if rids is None:
@@ -99,24 +99,35 @@ class HandleGroup:
         self.queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()
         self.finished = [False] * len(self.handles)
         self._registry = registry
+        self._peeked: list[tuple[int, StreamChunk]] = []
         for i, handle in enumerate(self.handles):
-            threading.Thread(target=self._pump, args=(i, handle), daemon=True,
-                             name=f"jsgl-http-{handle.request_id}").start()
+            handle.subscribe(functools.partial(self._deliver, i, handle.request_id))
 
-    def _pump(self, index: int, handle: Any) -> None:
-        for chunk in handle.stream():
+    def _deliver(self, index: int, rid: str, chunk: StreamChunk) -> None:
+        """Engine thread: forward a chunk to the event loop."""
+        if chunk.finished:
+            self._registry.discard(rid)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, chunk))
+        except RuntimeError:  # the event loop has closed (server shutdown): nobody is listening
+            pass
+
+    async def peek(self) -> tuple[int, StreamChunk]:
+        """The first event, which `events()` will still yield (to answer an error before streaming)."""
+        if not self._peeked:
+            index, chunk = await self.queue.get()
             if chunk.finished:
-                self._registry.discard(handle.request_id)
-            try:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, chunk))
-            except RuntimeError:  # the event loop has closed (server shutdown): nobody is listening
-                return
+                self.finished[index] = True
+            self._peeked.append((index, chunk))
+        return self._peeked[0]
 
     async def events(self, request: Request | None = None,
                      poll_s: float = 0.5) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Yield (index, chunk) until every request has finished. With `request`, check every `poll_s`
         whether the client has disconnected and raise ClientDisconnected if so (non-streaming responses:
         nothing else notices a client that hangs up while we wait)."""
+        while self._peeked:
+            yield self._peeked.pop(0)
         getter: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
         next_check = loop.time() + poll_s

@@ -1,0 +1,79 @@
+"""Admission checks: everything a request is validated against before it may cost the engine anything.
+
+Runs on the caller's thread (`Engine.submit`). Limits come from EngineConfig, so the in-process API and the
+server refuse the same things: non-finite sampling values, too many logprobs or stop strings, prompts that
+cannot fit, text that is not valid Unicode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from jsgl.engine.config import EngineConfig
+from jsgl.engine.request import SamplingParams
+from jsgl.errors import InvalidRequestError
+
+
+def check_text(text: str, what: str) -> None:
+    """Reject strings that are not valid Unicode (JSON allows lone surrogates; UTF-8 does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"the {what} is not valid Unicode (a lone surrogate at character "
+                                  f"{exc.start})") from None
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int, max_context: int,
+                 kv_capacity: int) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.vocab_size, self.max_context, self.kv_capacity = vocab_size, max_context, kv_capacity
+        # A text longer than this cannot fit the context whatever it says (no token is longer than the
+        # vocabulary's longest), so checking it before tokenizing rejects nothing that would fit.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_context * max(longest, 1)
+
+    def sampling_params(self, value: SamplingParams | dict | None) -> SamplingParams:
+        params = SamplingParams.from_any(value)
+        params.validate()
+        cfg = self.config
+        if params.top_logprobs_num > cfg.max_top_logprobs:
+            raise InvalidRequestError(f"top_logprobs_num is {params.top_logprobs_num}; this server allows at "
+                                      f"most {cfg.max_top_logprobs} (--max-top-logprobs)")
+        stops = params.stop_strings
+        if len(stops) > cfg.max_stop_sequences:
+            raise InvalidRequestError(f"{len(stops)} stop strings; this server allows at most "
+                                      f"{cfg.max_stop_sequences} (--max-stop-sequences)")
+        if any(len(stop) > cfg.max_stop_chars for stop in stops):
+            raise InvalidRequestError(f"a stop string is longer than {cfg.max_stop_chars} characters "
+                                      "(--max-stop-chars)")
+        for stop in stops:
+            check_text(stop, "stop string")
+        return params
+
+    def prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        ids = self._tokenize(prompt)
+        if len(ids) >= self.max_context:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
+        if len(ids) + 1 > self.kv_capacity:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the KV pool holds {self.kv_capacity}")
+        if params.logprob_start_len >= len(ids):
+            raise InvalidRequestError(f"logprob_start_len {params.logprob_start_len} >= prompt length")
+        return ids
+
+    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            if len(prompt) > self.max_prompt_chars:  # before tokenizing: 50 MB once took 48 s to tokenize
+                raise InvalidRequestError(f"prompt has {len(prompt)} characters; the context length is "
+                                          f"{self.max_context} tokens")
+            check_text(prompt, "prompt")
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"token ids must be in [0, {self.vocab_size})")
+        return ids

@@ -1,0 +1,20 @@
+"""Errors that every layer may raise and the server maps to HTTP statuses.
+
+They live at the package root so that `fsm/`, `engine/` and `server/` can all import them without a
+layer importing from the one above it.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """Bad input from a caller; the engine rejects the request and keeps serving (HTTP 400)."""
+
+
+class ConstraintBudgetError(InvalidRequestError):
+    """A regex / JSON schema whose token index would exceed the server's size or time budget (HTTP 400)."""
+
+
+class OverloadedError(RuntimeError):
+    """The server is at a configured limit (concurrent requests, queued constraint builds): retry later
+    (HTTP 503)."""

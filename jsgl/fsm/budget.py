@@ -1,0 +1,129 @@
+"""How big and how slow a constraint build may get, and the guard that enforces it while building.
+
+A request's regex / JSON schema is compiled on the server's CPUs, so without limits a 15-byte
+pattern (`[\\s\\S]{1,2000}`) could take 16 s, 2.9 GB of RAM and 903 MB of disk. The limits are
+checked in three places, cheapest first:
+  1. statically, before anything is queued (`static_check.check_regex`, `json_schema`): pattern
+     length, nesting, counted repeats and the expanded size they imply;
+  2. while building, by a `BuildGuard`: automaton states (interegular's and ours), the index's
+     bytes (estimated from the byte FSM before the vocabulary walk, counted during it), a deadline
+     and a cancellation flag, polled in every long loop;
+  3. nothing over budget is cached, in memory or on disk.
+
+Default numbers were measured on SmolLM2-135M's tokenizer (49152 tokens, 6 KiB of bitmask per
+state) on a 2-core host; the typical JSON schemas of tests/test_fsm_json.py take 0.5-2 s, 400-660
+byte states and 5-12 MB, far inside every limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from jsgl.errors import ConstraintBudgetError
+
+
+@dataclass(frozen=True)
+class BuildBudget:
+    # Static limits (checked before a build is queued).
+    max_regex_chars: int = 100_000  # typical schemas give 2-5 K characters
+    max_nesting: int = 64  # group depth; interegular's recursive parser overflows near 150 (~7 frames a level)
+    max_repeat: int = 1_000  # one counted bound: {m,n}, maxLength/minLength, maxItems/minItems
+    max_expanded: int = 10_000  # positions after expanding counted repeats (nested ones multiply)
+    max_class_chars: int = 100_000  # characters named by classes: [一-龥] is 21 K, [\U00010000-\U0010FFFF] 1 M
+    max_schema_depth: int = 32  # JSON schema nesting (objects / arrays / combinators)
+    max_integer_digits: int = 40  # digits of an integer bound (a 128-bit integer has 39)
+    # Limits while building.
+    max_states: int = 20_000  # character-level automaton states, interegular's intermediates included
+    # interegular's states are sets of other automata's states; their total size per automaton is its
+    # memory and work. Typical schemas: <= 5 K; `((a{1,12}){1,12}){1,12}`: 1.1 M (2 s, growing fast).
+    max_automaton_elements: int = 100_000
+    max_index_bytes: int = 128 << 20  # TokenIndex.nbytes (a maxLength-128 string: 76 MB)
+    max_build_seconds: float = 10.0  # wall time of one build on a worker thread
+    # Server-wide: builds waiting for a worker beyond this are refused (OverloadedError, 503).
+    max_queued: int = 64
+
+
+DEFAULT_BUDGET = BuildBudget()
+
+
+class BuildPreempted(Exception):
+    """Internal: a build on the fast lane ran longer than a cheap build should; it goes back to the
+    queue of the heavy workers instead of holding up the cheap ones."""
+
+
+class BuildGuard:
+    """Budget checks for one build attempt. `check()` is cheap (a clock read or two) and is called
+    once per state in every long loop, so a build stops within milliseconds of its deadline or
+    cancellation.
+
+    `preempt_after`: CPU seconds of this thread after which the build raises BuildPreempted (the
+    fast lane's bound; CPU, not wall time, so a cheap build slowed by contention is not misjudged).
+    `yield_to`: while this event is clear (a fast-lane build is running) `check()` pauses, and the
+    pause does not count against the deadline. Without it a 10 ms `(yes|no)` build took 1-10 s
+    beside two heavy ones: each of its numpy calls releases the GIL and then waits a 5 ms switch
+    interval to get it back from the pure-Python interegular threads.
+    """
+
+    def __init__(self, budget: BuildBudget, cancelled: threading.Event | None = None,
+                 preempt_after: float | None = None, yield_to: threading.Event | None = None) -> None:
+        self.budget = budget
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
+        self.deadline = time.monotonic() + budget.max_build_seconds
+        self.preempt_at = None if preempt_after is None else time.thread_time() + preempt_after
+        self.yield_to = yield_to
+
+    def check(self) -> None:
+        if self.yield_to is not None and not self.yield_to.is_set():
+            paused = time.monotonic()
+            while not self.yield_to.wait(0.05) and not self.cancelled.is_set():
+                pass
+            self.deadline += time.monotonic() - paused
+        if self.cancelled.is_set():
+            raise CancelledError("constraint build released by every request waiting for it")
+        if time.monotonic() > self.deadline:
+            raise ConstraintBudgetError(
+                f"constraint build exceeded the server's time limit ({self.budget.max_build_seconds:g} s)")
+        if self.preempt_at is not None and time.thread_time() > self.preempt_at:
+            raise BuildPreempted
+
+    def fail_states(self, states: int, what: str) -> None:
+        raise ConstraintBudgetError(
+            f"constraint too complex: {what} needs more than {states - 1} states "
+            f"(the server's limit is {self.budget.max_states})")
+
+    def fail_automaton(self, states: int, elements: int) -> None:
+        if states > self.budget.max_states:
+            self.fail_states(states, "an intermediate regex automaton")
+        raise ConstraintBudgetError(
+            f"constraint too complex: an intermediate regex automaton holds more than {elements - 1} "
+            f"sub-states (the server's limit is {self.budget.max_automaton_elements}), as nested counted "
+            "repeats like (a{1,50}){1,50} do")
+
+    def check_index_bytes(self, nbytes: int, what: str) -> None:
+        if nbytes > self.budget.max_index_bytes:
+            raise ConstraintBudgetError(
+                f"constraint too large: {what} is at least {nbytes / 2**20:.0f} MiB "
+                f"(the server's limit is {self.budget.max_index_bytes / 2**20:.0f} MiB)")
+
+    @contextmanager
+    def active(self) -> Iterator[BuildGuard]:
+        """Make this the guard that code without a `guard` argument (interegular's crawl) consults."""
+        prev = getattr(_local, "guard", None)
+        _local.guard = self
+        try:
+            yield self
+        finally:
+            _local.guard = prev
+
+
+_local = threading.local()
+
+
+def current_guard() -> BuildGuard | None:
+    """The guard of the build running on this thread, if any."""
+    return getattr(_local, "guard", None)

@@ -1,0 +1,185 @@
+"""One request's failure stays its own: the engine's step isolates it, limits reject hostile parameters,
+and ids cannot collide. In-process, on the real model (greedy, so victims' answers are known)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import wait_idle
+
+from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError, new_request_id
+
+VICTIM = ("One, two, three, four,", {"temperature": 0, "max_new_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def solo(engine):
+    return engine.generate(*VICTIM)
+
+
+def assert_victim_ok(out, solo) -> None:
+    assert out.finish_reason == solo.finish_reason and out.text == solo.text, (out, solo)
+
+
+def assert_no_leak(engine) -> None:
+    wait_idle(engine)
+    cache = engine.prefix_cache.total_size() if engine.prefix_cache is not None else 0
+    assert engine.allocator.num_free() + cache == engine.allocator.capacity
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": math.inf}, {"temperature": math.nan}, {"top_p": math.nan},
+    {"frequency_penalty": math.inf}, {"min_p": -math.inf},
+])
+def test_non_finite_sampling_params_are_rejected(engine, bad):
+    with pytest.raises(InvalidRequestError, match="finite"):
+        engine.submit("hello", {"max_new_tokens": 4, **bad})
+
+
+def test_request_limits(engine):
+    limit = engine.config.max_top_logprobs
+    with pytest.raises(InvalidRequestError, match="top_logprobs_num"):
+        engine.submit("hello", {"return_logprob": True, "top_logprobs_num": limit + 1})
+    engine.generate("hello", {"max_new_tokens": 1, "return_logprob": True, "top_logprobs_num": limit})
+    with pytest.raises(InvalidRequestError, match="stop strings"):
+        engine.submit("hello", {"stop": [f"s{i}" for i in range(engine.config.max_stop_sequences + 1)]})
+    with pytest.raises(InvalidRequestError, match="stop string is longer"):
+        engine.submit("hello", {"stop": "x" * (engine.config.max_stop_chars + 1)})
+    # Longer than any text of max_context tokens could be: rejected before tokenizing.
+    with pytest.raises(InvalidRequestError, match="characters"):
+        engine.submit("a" * (engine.admission.max_prompt_chars + 1), {"max_new_tokens": 1})
+    for text in ("bad \ud800 prompt", "\udfff"):
+        with pytest.raises(InvalidRequestError, match="Unicode"):
+            engine.submit(text, {"max_new_tokens": 1})
+    with pytest.raises(InvalidRequestError, match="Unicode"):
+        engine.submit("hello", {"max_new_tokens": 1}, request_id="id-\ud800")
+    assert_no_leak(engine)
+
+
+def test_request_ids_are_random_and_never_shared(engine):
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(len(i) == len("req-") + 32 for i in ids)
+    first = engine.submit("Count: 1, 2,", {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True},
+                          request_id="mine")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.submit("other", {"max_new_tokens": 2}, request_id="mine")
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.submit_batch(["a", "b"], [{"max_new_tokens": 1}] * 2) and engine.submit(
+            "b", {"max_new_tokens": 1}, request_id="mine")
+    out = first.result(timeout=120)
+    assert out.finish_reason == FinishReason.LENGTH  # the rejected duplicates did not abort it
+    # Once finished, the id is free again.
+    assert engine.submit("x", {"max_new_tokens": 1}, request_id="mine").result(timeout=60).finish_reason
+    assert_no_leak(engine)
+
+
+class _Exploding:
+    """A token constraint that fails when the engine asks for its mask (a broken per-request input)."""
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+
+    def allowed_token_bitmask(self) -> np.ndarray:
+        raise RuntimeError(self.secret)
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_a_failing_request_fails_alone_without_leaking_its_text(engine, solo, monkeypatch):
+    """Host-side failure of one request's step inputs: that request ends with STEP_FAILED and an error id;
+    the victim in the same batch finishes exactly as alone."""
+    secret = "SECRET-REGEX-(a|b)*"
+    original = engine.scheduler.add
+
+    def add(seq):
+        if seq.params.stop == ["<bomb>"]:
+            seq.constraint = _Exploding(secret)
+        original(seq)
+
+    monkeypatch.setattr(engine.scheduler, "add", add)
+    victim = engine.submit(*VICTIM)
+    bomb = engine.submit("Hello there", {"max_new_tokens": 8, "temperature": 0, "stop": ["<bomb>"]})
+    bad, good = bomb.result(timeout=120), victim.result(timeout=120)
+    assert bad.finish_reason == FinishReason.ABORT and bad.abort_reason == AbortReason.STEP_FAILED
+    assert "error id" in bad.error and secret not in bad.error
+    assert_victim_ok(good, solo)
+    assert_no_leak(engine)
+
+
+def test_a_failing_model_step_is_rerun_per_request(engine, solo, monkeypatch):
+    """The batched forward fails because of one request: each is rerun alone, only the culprit fails."""
+    original = engine.runner.run
+    calls = []
+
+    def run(items, **kw):
+        calls.append(len(items))
+        if any(it.top_p == 0.5 for it in items):  # the culprit's marker: fails any step it is in
+            raise ValueError("device step failed")
+        return original(items, **kw)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    victim = engine.submit(*VICTIM)
+    culprit = engine.submit("Hello there", {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.5})
+    bad, good = culprit.result(timeout=120), victim.result(timeout=120)
+    assert bad.abort_reason == AbortReason.STEP_FAILED and "device step failed" not in bad.error
+    assert_victim_ok(good, solo)
+    assert engine.runner.kv_intact()
+    assert_no_leak(engine)
+
+
+def test_a_failure_that_loses_the_kv_pools_fails_the_batch_and_the_engine_recovers(engine, solo, monkeypatch):
+    """A step that fails after consuming its donated pools cannot be pinned on one request: every running
+    request fails, the pools are reallocated and the (now meaningless) prefix cache emptied."""
+    import jax
+
+    original = engine.runner.run
+    state = {"fail": True}
+
+    def run(items, **kw):
+        if state["fail"] and len(items) > 1:
+            for leaf in jax.tree.leaves(engine.runner.kv):
+                leaf.delete()  # what a failure while the donated step executes leaves behind
+            raise ValueError("broken device")
+        return original(items, **kw)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    handles = engine.submit_batch([VICTIM[0], "Hi there"], [VICTIM[1], {"max_new_tokens": 4}])
+    outs = [h.result(timeout=120) for h in handles]
+    assert all(o.abort_reason == AbortReason.STEP_FAILED and "broken device" not in o.error for o in outs)
+    state["fail"] = False
+    assert engine.runner.kv_intact()
+    assert_victim_ok(engine.generate(*VICTIM), solo)
+    assert_no_leak(engine)
+
+
+def test_client_abort_is_typed(engine):
+    handle = engine.submit("Count: 1, 2,", {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
+    handle.abort()
+    out = handle.result(timeout=60)
+    assert out.finish_reason == FinishReason.ABORT and out.abort_reason == AbortReason.CLIENT
+    assert_no_leak(engine)
+
+
+def test_stream_holds_back_only_a_possible_stop_prefix(tokenizer):
+    from jsgl.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, ["abcab", "zz", "b!"])
+    for piece, shown in [("xxab", "xx"), ("c", ""), ("a", ""), ("q", "abcaq"), ("z", ""), ("b", "z")]:
+        detok._append(piece)
+        assert detok.stream_delta(False) == shown, (piece, shown)
+    assert detok.stream_delta(True) == "b"
+
+
+def test_engine_config_rejects_bad_limits():
+    from jsgl.engine.config import EngineConfig
+
+    with pytest.raises(ValueError):
+        EngineConfig(max_stop_sequences=-1)
+    with pytest.raises(ValueError):
+        EngineConfig(constraint_timeout_s=0)

@@ -1,0 +1,25 @@
+"""The soak test's short version: `jsgl serve` in a subprocess under 8 concurrent clients sending valid,
+streaming, constrained, select, chat, aborted, disconnecting, oversize and hostile requests
+(experiments/soak.py runs the long one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.soak import run_soak
+from jsgl.server.launch import launch_server_process
+
+
+@pytest.mark.slow
+def test_short_soak_loses_nothing_and_leaks_nothing():
+    with launch_server_process(kv_cache_gb=0.25, max_running_requests=16) as server:
+        report = run_soak(server.url, duration_s=25, clients=8, hostile_share=0.2, seed=1,
+                          server_pid=server.proc.pid, warmup_s=20)
+    print(report.summary())
+    assert not report.failures, report.summary()
+    assert not report.leaks(), report.summary()
+    kinds = {o.kind for o in report.outcomes}
+    assert {"hostile", "disconnect", "abort", "regex", "json", "stream"} <= kinds, kinds
+    # After warm-up, memory may grow only by what new step compilations cost (bounded by the buckets).
+    grown = report.rss_end_mb - report.rss_warm_mb
+    assert grown < 150, report.summary()
