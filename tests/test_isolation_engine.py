@@ -183,3 +183,21 @@ def test_engine_config_rejects_bad_limits():
         EngineConfig(max_stop_sequences=-1)
     with pytest.raises(ValueError):
         EngineConfig(constraint_timeout_s=0)
+
+
+def test_a_constraint_not_built_in_time_fails_its_request_and_stops_its_build(engine, solo, monkeypatch):
+    import time
+
+    from jsgl.fsm import build_stats
+
+    monkeypatch.setattr(engine.config, "constraint_timeout_s", 0.5)
+    victim = engine.submit(*VICTIM)
+    slow = engine.submit("Numbers:", {"max_new_tokens": 4, "regex": rf"(\d{{1,100}}\.){{1,98}}{time.time_ns()}"})
+    out = slow.result(timeout=60)
+    assert out.abort_reason == AbortReason.INVALID_REQUEST and "--constraint-timeout-s" in out.error
+    assert_victim_ok(victim.result(timeout=60), solo)
+    deadline = time.monotonic() + 5
+    while build_stats() != {"queued": 0, "running": 0}:  # nobody holds the build any more: it stops
+        assert time.monotonic() < deadline, build_stats()
+        time.sleep(0.01)
+    assert_no_leak(engine)
