@@ -47,6 +47,8 @@ from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
 log = logging.getLogger("jsgl.engine")
 
+HIT_RATE_WINDOW_TOKENS = 1 << 18  # distinct prompt tokens the optimal-hit-rate trie may hold (~60 MB)
+
 
 class Engine:
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **options: Any):
@@ -90,7 +92,7 @@ class Engine:
         self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
                                    self.allocator.capacity)
         self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.max_context)
-        self._distinct = DistinctPrefixCounter()
+        self._reset_hit_rate_window()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
@@ -195,13 +197,18 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.stats
+        window_prompt = s.prompt_tokens - self._window[0]
         cache = self.prefix_cache
         tree = {} if cache is None else {
             "cache_tokens": cache.total_size(), "evicted_tokens": cache.evicted_tokens_total,
             "tree_time_s": cache.time_s}
         return {
             **tree,
-            "cache_hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            # Achieved and optimal hit rates cover the same window: since start, the last flush, or the
+            # last time the optimum's trie reached HIT_RATE_WINDOW_TOKENS distinct tokens. (The optimum
+            # assumes an empty cache at the window's start: just after a size reset, the tree's older
+            # entries can let the achieved rate exceed it; after a flush it cannot.)
+            "cache_hit_rate": (s.cached_tokens - self._window[1]) / window_prompt if window_prompt else 0.0,
             "optimal_hit_rate": self._distinct.optimal_hit_rate,
             "forward_passes": self.forward_passes,
             "jump_forward_tokens": self.constraints.jumped_tokens, "steps": s.steps, "extend_steps": s.extend_steps,
@@ -266,6 +273,8 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 stopped = self._stopped
             for seq in inbox:
+                if self._distinct.distinct_tokens >= HIT_RATE_WINDOW_TOKENS:
+                    self._reset_hit_rate_window()  # bound the trie: a long-running server's memory stays flat
                 self._distinct.add(seq.prompt_ids)
                 if seq.constraint_ready is not None:
                     self._pending.append(seq)
@@ -305,9 +314,14 @@ class Engine:
             if not self.scheduler.has_work() and not self._pending:
                 if self.prefix_cache is not None:
                     self.prefix_cache.evict(self.prefix_cache.total_size())
-                self._distinct = DistinctPrefixCounter()
+                self._reset_hit_rate_window()
                 result[0] = True
             done.set()
+
+    def _reset_hit_rate_window(self) -> None:
+        s = self.scheduler.stats
+        self._distinct = DistinctPrefixCounter()
+        self._window = (s.prompt_tokens, s.cached_tokens)
 
     def _abort_now(self, rid: str) -> None:
         seq = self._by_id.get(rid)

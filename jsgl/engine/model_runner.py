@@ -22,8 +22,8 @@ from jsgl.kernels import cpu as cpu_kernels
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, resolve_attention_backend
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
-from jsgl.model.registry import cache_dir
 from jsgl.model.sharding import TensorParallel
+from jsgl.paths import cache_dir
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:

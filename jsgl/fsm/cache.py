@@ -32,7 +32,7 @@ from jsgl.fsm.build_queue import BuildJob, BuildQueue
 from jsgl.fsm.regex_fsm import regex_cost
 from jsgl.fsm.token_index import FORMAT_VERSION, TokenIndex
 from jsgl.fsm.vocab import vocab_bytes
-from jsgl.model.registry import cache_dir
+from jsgl.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

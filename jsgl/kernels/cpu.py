@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention, register_attention_backend
-from jsgl.model.loader import QuantBlocks
-from jsgl.model.registry import cache_dir
+from jsgl.kernels.quant import QuantBlocks
+from jsgl.paths import cache_dir
 
 log = logging.getLogger("jsgl.kernels.cpu")
 

@@ -15,7 +15,6 @@ decode speed)::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from jsgl.kernels.quant import QuantBlocks
 from jsgl.model.config import ModelConfig
 from jsgl.model.registry import model_cache_dir, resolve_model_path
 
@@ -171,19 +171,6 @@ def _load_gguf(path: Path) -> tuple[dict[str, Any], Params]:
                 layer[bias] = _unpermute_qk(layer[bias], heads)
         per_layer.append(layer)
     return hf_config, _finish(tensors, per_layer, config.tie_word_embeddings)
-
-
-@dataclasses.dataclass
-class QuantBlocks:
-    """A GGUF matrix [N, K] in its own blocks of 32 along K: ``w[n, k] = d[n, k // 32] * q[n, k] (+ m[n, k // 32])``.
-
-    Q4_1 has ``m`` and q in 0..15; Q8_0 has no ``m`` and int8 q. Rows are in HF order (Q/K unpermuted).
-    """
-
-    kind: str  # "q4_1" | "q8_0"
-    q: np.ndarray  # [N, K] uint8 (q4_1) or int8 (q8_0)
-    d: np.ndarray  # [N, K // 32] float32
-    m: np.ndarray | None  # [N, K // 32] float32, q4_1 only
 
 
 def _quant_blocks(t: Any) -> QuantBlocks | None:

@@ -7,6 +7,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from jsgl.paths import cache_dir  # noqa: F401  (re-exported: older callers import it from here)
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -43,12 +45,6 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     if path.is_file() and path.suffix != ".gguf":
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a model folder")
     return path
-
-
-def cache_dir() -> Path:
-    root = Path(os.environ.get("JSGL_CACHE_DIR", Path.home() / ".cache" / "jsgl"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def model_cache_dir(path: Path) -> Path:

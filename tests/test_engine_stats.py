@@ -1,0 +1,39 @@
+"""Engine statistics that a long-running server reports: hit rates over one window, bounded memory."""
+
+from __future__ import annotations
+
+from conftest import wait_idle
+
+import jsgl.engine.engine as engine_module
+
+SHARED = "You are a helpful assistant. Answer the question briefly and precisely. Question: "
+PROMPTS = [SHARED + q for q in ("What is the capital of France?", "What is two plus two?", "Name a red fruit.")]
+GREEDY = {"temperature": 0, "max_new_tokens": 2}
+
+
+def run_window(engine) -> dict:
+    for prompt in PROMPTS:  # one at a time: each later prompt finds the shared prefix in the tree
+        engine.generate(prompt, GREEDY)
+    wait_idle(engine)
+    return engine.stats()
+
+
+def test_achieved_and_optimal_hit_rates_cover_the_same_window(engine):
+    wait_idle(engine)
+    assert engine.flush_cache()
+    first = run_window(engine)
+    assert 0 < first["cache_hit_rate"] <= first["optimal_hit_rate"] + 1e-9
+    assert engine.flush_cache()
+    again = run_window(engine)  # the same prompts: after a flush, both rates restart together
+    assert again["cache_hit_rate"] == first["cache_hit_rate"]
+    assert again["optimal_hit_rate"] == first["optimal_hit_rate"]
+    assert again["prompt_tokens"] > first["prompt_tokens"]  # lifetime counters keep counting
+
+
+def test_the_optimal_hit_rate_trie_is_bounded(engine, monkeypatch):
+    monkeypatch.setattr(engine_module, "HIT_RATE_WINDOW_TOKENS", 40)
+    for i in range(6):
+        engine.generate(f"A different prompt number {i} about something else entirely", GREEDY)
+    wait_idle(engine)
+    assert engine._distinct.distinct_tokens < 40 + 20  # reset before it grew past the bound (+ one prompt)
+    assert engine.scheduler.stats.batched_requests >= engine.scheduler.stats.steps  # running totals, no list
