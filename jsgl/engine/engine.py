@@ -40,8 +40,10 @@ from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.loader import load_gguf_blocks, load_model
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
+from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.flat_cache import FlatCache
 from jsgl.radix.metrics import DistinctPrefixCounter
+from jsgl.radix.no_cache import NoPrefixCache
 from jsgl.radix.radix_cache import RadixCache
 from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
@@ -99,11 +101,8 @@ class Engine:
         self._thread.start()
 
     # --------------------------------------------------------------------------- extension points
-    def _make_prefix_cache(self) -> Any | None:
-        mode = self.config.prefix_cache
-        if mode == "none":
-            return None
-        cache_cls = RadixCache if mode == "radix" else FlatCache
+    def _make_prefix_cache(self) -> PrefixCacheBase:
+        cache_cls = {"radix": RadixCache, "flat": FlatCache, "none": NoPrefixCache}[self.config.prefix_cache]
         return cache_cls(page_size=self.config.page_size, free_slots=self.allocator.free)
 
     def _order_waiting(self) -> Any:
@@ -199,9 +198,8 @@ class Engine:
         s = self.scheduler.stats
         window_prompt = s.prompt_tokens - self._window[0]
         cache = self.prefix_cache
-        tree = {} if cache is None else {
-            "cache_tokens": cache.total_size(), "evicted_tokens": cache.evicted_tokens_total,
-            "tree_time_s": cache.time_s}
+        tree = {"cache_tokens": cache.total_size(), "evicted_tokens": cache.evicted_tokens_total,
+                "tree_time_s": cache.time_s}
         return {
             **tree,
             # Achieved and optimal hit rates cover the same window: since start, the last flush, or the
@@ -304,7 +302,7 @@ class Engine:
                 for seq in [*self.scheduler.prefilling, *self.scheduler.running]:
                     self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED,
                                  f"internal error in the engine step (error id {error_id})")
-                if lost_kv and self.prefix_cache is not None:  # what the tree points at is gone too
+                if lost_kv:  # what the tree points at is gone too
                     self.prefix_cache.evict(self.prefix_cache.total_size())
 
     def _run_flushes(self) -> None:
@@ -312,8 +310,7 @@ class Engine:
             flushes, self._flush = self._flush, []
         for done, result in flushes:
             if not self.scheduler.has_work() and not self._pending:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.evict(self.prefix_cache.total_size())
+                self.prefix_cache.evict(self.prefix_cache.total_size())
                 self._reset_hit_rate_window()
                 result[0] = True
             done.set()

@@ -17,6 +17,8 @@ import numpy as np
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.model_runner import bucket
 from jsgl.engine.sequence import Sequence
+from jsgl.radix.cache_base import PrefixCacheBase
+from jsgl.radix.no_cache import NoPrefixCache
 
 IN_BATCH_PREFIX_MIN = 32  # shared uncached tokens that make a request wait one step for the tree
 MAX_DEFERRED_SCAN = 64
@@ -48,11 +50,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, allocator: SlotAllocator, prefix_cache: Any | None, *, max_running: int,
+    def __init__(self, allocator: SlotAllocator, prefix_cache: PrefixCacheBase | None, *, max_running: int,
                  chunk_size: int, max_context: int, attention_budget_bytes: int,
                  attention_bytes: Any, order_waiting: Any | None = None):
         self.allocator = allocator
-        self.cache = prefix_cache
+        self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.max_context = max_context
@@ -80,7 +82,7 @@ class Scheduler:
         if num <= 0:
             return np.zeros(0, np.int32)
         slots = self.allocator.alloc(num)
-        if slots is None and self.cache is not None:
+        if slots is None:
             self.cache.evict(num - self.allocator.num_free())
             slots = self.allocator.alloc(num)
         return slots
@@ -97,22 +99,18 @@ class Scheduler:
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Give a sequence's KV back: into the prefix cache if there is one, else to the allocator."""
+        """Give a sequence's KV back: what the prefix cache takes stays there, the rest goes to the allocator."""
         computed = seq.num_computed
-        if self.cache is not None:
-            page = self.allocator.page_size
-            keep = computed - computed % page
-            if keep > 0:
-                already = self.cache.insert(seq.token_ids[:keep], seq.slots[:keep])
-                # The tree already held [0, already); our own copies of [num_cached, already) duplicate it.
-                self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
-            else:
-                keep = seq.num_cached
-            self.allocator.free(seq.slots[max(keep, seq.num_cached):])
-            if seq.prefix_node is not None:
-                self.cache.dec_lock_ref(seq.prefix_node)
+        keep = computed - computed % self.allocator.page_size
+        if keep > 0:
+            already = self.cache.insert(seq.token_ids[:keep], seq.slots[:keep])
+            # The cache already held [0, already); our own copies of [num_cached, already) duplicate it.
+            self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
         else:
-            self.allocator.free(seq.slots)
+            keep = seq.num_cached
+        self.allocator.free(seq.slots[max(keep, seq.num_cached):])
+        if seq.prefix_node is not None:
+            self.cache.dec_lock_ref(seq.prefix_node)
         seq.slots = np.zeros(0, np.int32)
         seq.prefix_node = None
         seq.num_computed = seq.num_cached = 0
@@ -138,8 +136,6 @@ class Scheduler:
         return batch
 
     def _match_prefix(self, seq: Sequence) -> None:
-        if self.cache is None:
-            return
         # Always compute at least the last token (its logits pick the next one), and recompute
         # from where prompt logprobs are wanted (they need the logits of the preceding position).
         limit = seq.num_tokens - 1
@@ -214,7 +210,7 @@ class Scheduler:
     def _shares_uncached_prefix(self, seq: Sequence, batch: list[Sequence]) -> bool:
         """Whether ``seq`` shares more than IN_BATCH_PREFIX_MIN tokens beyond its cached prefix with a
         sequence already in this extend batch (only matters with a prefix cache)."""
-        if self.cache is None or not batch:
+        if not self.cache.keeps_prefixes or not batch:
             return False
         tokens = seq.token_ids
         for other in batch:
@@ -256,7 +252,7 @@ class Scheduler:
         duplicate slots are freed and the sequence switches to the tree's copies.
         """
         keep = seq.num_computed - seq.num_computed % self.allocator.page_size
-        if self.cache is None or keep <= seq.num_cached:
+        if not self.cache.keeps_prefixes or keep <= seq.num_cached:
             return
         tokens = seq.token_ids[:keep]
         already = self.cache.insert(tokens, seq.slots[:keep])

@@ -1,15 +1,28 @@
-"""What the radix tree and the flat-table ablation share: counters, sizes, page alignment, stats."""
+"""The prefix-cache seam: what the scheduler calls, and the bookkeeping every implementation shares.
+
+Implementations: `RadixCache` (the paper's tree), `FlatCache` (the no-tree ablation) and `NoPrefixCache`
+(the no-cache ablation). The scheduler depends on this interface only.
+"""
 
 from __future__ import annotations
 
+import abc
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 
-class PrefixCacheBase:
-    """Bookkeeping common to prefix caches; subclasses keep ``_evictable``/``_protected`` up to date."""
+class PrefixCacheBase(abc.ABC):
+    """A map from token prefixes to KV slots with LRU eviction and lock refs. Subclasses keep
+    ``_evictable``/``_protected`` up to date.
+
+    Ownership: `insert` takes the slots past the prefix it already held; the caller frees its copies of
+    that prefix. A handle from `match_prefix` is locked (`inc_lock_ref`) while a request reads its slots.
+    """
+
+    keeps_prefixes = True  # False: nothing inserted is ever matched (the scheduler skips sharing work)
 
     def __init__(self, page_size: int = 1, free_slots: Callable[[np.ndarray], None] | None = None) -> None:
         if page_size < 1:
@@ -48,18 +61,38 @@ class PrefixCacheBase:
         """Time spent in cache operations (match, insert, evict)."""
         return self.match_time_s + self.insert_time_s + self.evict_time_s
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "cached_tokens": self.total_size(),
-            "evictable_tokens": self._evictable,
-            "protected_tokens": self._protected,
-            "evicted_tokens_total": self.evicted_tokens_total,
-            "hit_rate": self.hit_tokens_total / self.query_tokens_total if self.query_tokens_total else 0.0,
-            "tree_time_s": self.time_s,
-        }
+    @abc.abstractmethod
+    def match_prefix(self, tokens: Sequence[int] | np.ndarray) -> tuple[np.ndarray, Any]:
+        """Slots of the longest cached (page-aligned) prefix of `tokens`, and a handle to lock it by."""
 
+    @abc.abstractmethod
+    def match_len(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Length of the cached prefix, without side effects (for schedule policies)."""
+
+    @abc.abstractmethod
+    def insert(self, tokens: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> int:
+        """Cache tokens -> slots; return how many leading tokens the cache did not take (it already held
+        them): the caller frees its own slots for those."""
+
+    @abc.abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` unlocked slots (LRU) if possible; return how many were freed."""
+
+    @abc.abstractmethod
+    def inc_lock_ref(self, handle: Any) -> int:
+        """Protect a matched prefix from eviction; return tokens moved to protected."""
+
+    @abc.abstractmethod
+    def dec_lock_ref(self, handle: Any) -> int:
+        """Undo one inc_lock_ref; return tokens that became evictable again."""
+
+    @abc.abstractmethod
+    def reset(self, force: bool = False) -> None:
+        """Forget everything without freeing slots (refused while anything is locked unless `force`)."""
+
+    @abc.abstractmethod
     def format_tree(self, max_tokens: int = 8) -> str:
-        raise NotImplementedError
+        """A readable dump of the cache's contents."""
 
     def pretty_print(self) -> None:
         print(self.format_tree())
