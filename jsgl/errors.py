@@ -18,3 +18,15 @@ class ConstraintBudgetError(InvalidRequestError):
 class OverloadedError(RuntimeError):
     """The server is at a configured limit (concurrent requests, queued constraint builds): retry later
     (HTTP 503)."""
+
+
+class GenerationError(RuntimeError):
+    """A request the engine accepted did not complete (a language backend raises it for a failed `gen`).
+
+    `reason` is the engine's AbortReason value ("client", "shutdown", "invalid_request", "step_failed")
+    when known; `request_id` names the request in the server's log.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id, self.reason = request_id, reason

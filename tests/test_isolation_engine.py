@@ -201,3 +201,20 @@ def test_a_constraint_not_built_in_time_fails_its_request_and_stops_its_build(en
         assert time.monotonic() < deadline, build_stats()
         time.sleep(0.01)
     assert_no_leak(engine)
+
+
+def test_language_backends_raise_typed_errors(engine):
+    """A gen whose constraint cannot be satisfied fails its program state with a GenerationError that says
+    why (the engine's AbortReason), not a bare RuntimeError carrying text."""
+    import jsgl.lang as sgl
+    from jsgl.errors import GenerationError
+    from jsgl.lang.runtime_backend import Runtime
+
+    @sgl.function
+    def prog(s):
+        s += "Answer: " + sgl.gen("a", max_tokens=4, regex=r"\x04+")  # no token can produce byte 0x04
+
+    state = prog.run(backend=Runtime(engine=engine))
+    error = state.error()
+    assert isinstance(error, GenerationError) and error.reason == AbortReason.INVALID_REQUEST, error
+    assert error.request_id

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import ChatTemplate, get_chat_template_from_tokenizer
 from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 _LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
-class EndpointError(RuntimeError):
+class EndpointError(GenerationError):
     """The server refused a request or the generation failed on the server."""
 
 
@@ -210,8 +211,9 @@ class RuntimeEndpoint(BaseBackend):
 
 def _raise_if_failed(body: dict[str, Any]) -> None:
     reason = body.get("meta_info", {}).get("finish_reason") or {}
-    if reason.get("type") == "abort" and reason.get("message", "aborted") != "aborted":
-        raise EndpointError(f"request {body['meta_info'].get('id')} failed on the server: {reason['message']}")
+    if reason.get("type") == "abort" and reason.get("reason", "client") != "client":
+        rid = body["meta_info"].get("id")
+        raise EndpointError(f"request {rid} failed on the server: {reason.get('message')}", rid, reason.get("reason"))
 
 
 def _meta(body: dict[str, Any]) -> dict[str, Any]:

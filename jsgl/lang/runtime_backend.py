@@ -10,6 +10,7 @@ import atexit
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import get_chat_template_from_tokenizer
 from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
@@ -53,7 +54,8 @@ class EngineBackend(BaseBackend):
     @staticmethod
     def _check(out: Any) -> Any:
         if out.error:
-            raise RuntimeError(f"engine request {out.request_id} failed: {out.error}")
+            reason = None if out.abort_reason is None else str(out.abort_reason)
+            raise GenerationError(f"engine request {out.request_id} failed: {out.error}", out.request_id, reason)
         return out
 
     def _token_text(self, token_id: int, with_text: bool) -> str | None:

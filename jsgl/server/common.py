@@ -69,7 +69,9 @@ def finish_reason_dict(out: GenerateOutput) -> dict[str, Any] | None:
         return {"type": "stop", "matched": out.matched_stop}
     if reason == FinishReason.LENGTH:
         return {"type": "length", "length": out.completion_tokens}
-    return {"type": "abort", "message": out.error or "aborted"}
+    # `reason` (jsgl's AbortReason) lets a client tell its own abort from a failure without reading text.
+    return {"type": "abort", "message": out.error or "aborted",
+            "reason": str(out.abort_reason or AbortReason.CLIENT)}
 
 
 def failed(out: GenerateOutput) -> bool:
