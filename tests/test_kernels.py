@@ -159,7 +159,7 @@ def test_extend_single_block_tiles():
 
 
 def test_backend_registered_and_dispatches():
-    assert get_attention_backend("pallas") is pallas_paged_attention
+    assert get_attention_backend("pallas").attend is pallas_paged_attention
     fn = jax.jit(
         functools.partial(
             pallas_paged_attention, scale=SCALE, decode_block_k=8, extend_block_q=4, extend_block_k=8, interpret=True

@@ -42,10 +42,28 @@ class AttentionMetadata:
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata, float], jax.Array]
-# A backend function may also carry ``rope_write_attend(qkv, k_pool, v_pool, write_slots, cos, signed_sin, meta,
-# scale) -> (out, k_pool, v_pool) | None``: RoPE on the new q and k (taken from the fused q|k|v projection), the
-# K/V write and the attention as one op (the CPU kernel's, which saves three XLA ops per layer); None where it
-# does not apply, and the model composes the three steps itself.
+# (qkv, k_pool, v_pool, write_slots, cos, signed_sin, meta, scale) -> (out, k_pool, v_pool) | None
+FusedAttentionFn = Callable[..., "tuple[jax.Array, jax.Array, jax.Array] | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """An attention implementation, as the model uses it.
+
+    `attend(q, k_pool, v_pool, meta, scale)` attends each new token over its request's slots (the new
+    tokens' K/V already written). `rope_write_attend`, where a backend has it, does RoPE on the new q and k
+    (taken from the fused q|k|v projection), the K/V write and the attention as one op (the CPU kernel's,
+    which saves three XLA ops per layer); it returns None where it does not apply, and the model then
+    composes the three steps itself. Calling the record calls `attend`.
+    """
+
+    name: str
+    attend: AttentionFn
+    rope_write_attend: FusedAttentionFn | None = None
+
+    def __call__(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,
+                 scale: float) -> jax.Array:
+        return self.attend(q, k_pool, v_pool, meta, scale)
 
 
 def _padded_token_index(meta: AttentionMetadata, num_tokens: int) -> jax.Array:
@@ -120,12 +138,12 @@ def native_paged_attention(
     return flat.at[tok_idx.reshape(-1)].set(out, mode="drop")
 
 
-_BACKENDS: dict[str, AttentionFn] = {"native": native_paged_attention}
+_BACKENDS: dict[str, AttentionBackend] = {"native": AttentionBackend("native", native_paged_attention)}
 
 
-def register_attention_backend(name: str, fn: AttentionFn) -> None:
+def register_attention_backend(backend: AttentionBackend) -> None:
     """Kernel modules register themselves here (e.g. ``pallas``) so the model stays backend-agnostic."""
-    _BACKENDS[name] = fn
+    _BACKENDS[backend.name] = backend
 
 
 def resolve_attention_backend(name: str) -> str:
@@ -139,7 +157,7 @@ def resolve_attention_backend(name: str) -> str:
     return "cpu" if jax.default_backend() == "cpu" and cpu.available() else "native"
 
 
-def get_attention_backend(name: str) -> AttentionFn:
+def get_attention_backend(name: str) -> AttentionBackend:
     name = resolve_attention_backend(name)
     if name == "pallas" and "pallas" not in _BACKENDS:
         import jsgl.kernels.pallas_attention  # noqa: F401  (registers itself)

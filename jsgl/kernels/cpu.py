@@ -33,7 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsgl.kernels.attention import AttentionMetadata, native_paged_attention, register_attention_backend
+from jsgl.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    native_paged_attention,
+    register_attention_backend,
+)
 from jsgl.kernels.quant import QuantBlocks
 from jsgl.paths import cache_dir
 
@@ -258,6 +263,4 @@ def cpu_rope_write_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Arra
                 *_metadata_args(meta), scale=np.float32(scale))
 
 
-# The fused form of the backend (see jsgl.kernels.attention: AttentionFn.rope_write_attend).
-cpu_paged_attention.rope_write_attend = cpu_rope_write_attention
-register_attention_backend("cpu", cpu_paged_attention)
+register_attention_backend(AttentionBackend("cpu", cpu_paged_attention, rope_write_attend=cpu_rope_write_attention))

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jsgl.kernels.attention import AttentionMetadata, register_attention_backend
+from jsgl.kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
 
 # Module-level switch: None = decide per call (interpret on CPU, compiled Triton on GPU).
 INTERPRET: bool | None = None
@@ -497,7 +497,7 @@ def pallas_paged_attention(
     )
 
 
-register_attention_backend("pallas", pallas_paged_attention)
+register_attention_backend(AttentionBackend("pallas", pallas_paged_attention))
 
 __all__ = [
     "INTERPRET",

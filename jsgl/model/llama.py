@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jsgl.kernels.attention import AttentionFn, AttentionMetadata
+from jsgl.kernels.attention import AttentionBackend, AttentionFn, AttentionMetadata
 from jsgl.kernels.cpu import PACKED_TYPES, PackedWeight, QuantWeight, pack_quant, pack_weight, packed_matmul
 from jsgl.model.config import ModelConfig
 
@@ -106,7 +106,7 @@ def rope(x: jax.Array, cos: jax.Array, signed_sin: jax.Array) -> jax.Array:
 
 def _layer(
     cfg: ModelConfig,
-    attention: AttentionFn,
+    attention: AttentionBackend,
     rope_cos_sin: tuple[jax.Array, jax.Array],
     write_slots: jax.Array,
     meta: AttentionMetadata,
@@ -118,7 +118,7 @@ def _layer(
     num_tokens = h.shape[0]
     qkv = _normed_qkv(h, layer, cfg.rms_norm_eps)
     scale = cfg.head_dim**-0.5
-    fused = getattr(attention, "rope_write_attend", None)  # RoPE + K/V write + attention as one op
+    fused = attention.rope_write_attend  # RoPE + K/V write + attention as one op, where the backend has it
     result = None
     if fused is not None and not isinstance(qkv, list):
         result = fused(qkv, k_pool, v_pool, write_slots, *rope_cos_sin, meta, scale)
@@ -134,7 +134,7 @@ def _layer(
         # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
         k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
         v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
-        attn = attention(q, k_pool, v_pool, meta, scale)
+        attn = attention.attend(q, k_pool, v_pool, meta, scale)
     h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
     return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool
 
@@ -146,9 +146,12 @@ def forward_hidden(
     write_slots: jax.Array,
     meta: AttentionMetadata,
     cfg: ModelConfig,
-    attention: AttentionFn,
+    attention: AttentionBackend | AttentionFn,
 ) -> tuple[jax.Array, KVCache]:
-    """Final-norm hidden states [T, D] of the new tokens, and the KV pools with their K/V written."""
+    """Final-norm hidden states [T, D] of the new tokens, and the KV pools with their K/V written.
+    `attention`: a backend record, or a plain attention function (the model then writes K/V itself)."""
+    if not isinstance(attention, AttentionBackend):
+        attention = AttentionBackend("custom", attention)
     rope_cos_sin = rope_tables(meta.positions, jnp.asarray(cfg.rope_inv_freq()))
     h = params["embed"][token_ids]
     k_pools, v_pools = list(kv[0]), list(kv[1])

@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jsgl.kernels.attention import AttentionFn, AttentionMetadata
+from jsgl.kernels.attention import AttentionBackend, AttentionFn, AttentionMetadata
 from jsgl.model.config import ModelConfig
 
 Params = dict[str, Any]
@@ -219,13 +219,14 @@ class TensorParallel:
         return NamedSharding(self.mesh, P(AXIS, None, None))
 
     # ---------------------------------------------------------------------------------- attention
-    def shard_attention(self, attention: AttentionFn) -> AttentionFn:
+    def shard_attention(self, attention: AttentionBackend) -> AttentionBackend:
         """Run ``attention`` per shard on its local heads: q [T, Hq'/tp, hd], pools [Hkv'/tp, N, hd].
 
         Heads are independent in attention and each shard holds whole GQA groups, so no collective is
         needed inside; metadata is replicated. A Pallas kernel thus launches per device on local data.
         """
-        return functools.partial(_sharded_attention, attention, self.mesh)
+        return AttentionBackend(f"{attention.name}-sharded",
+                                functools.partial(_sharded_attention, attention.attend, self.mesh))
 
 
 def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool: jax.Array,
