@@ -40,7 +40,6 @@ class ConstraintManager:
         self.jump_forward = jump_forward
         self.jumped_tokens = 0  # tokens appended by jump-forward, engine-wide
         self.jumps = 0
-        self.mask_time_s = 0.0  # host time spent fetching per-request bitmasks
         start_build_workers()
 
     def prepare(self, seq: Sequence) -> Future | None:

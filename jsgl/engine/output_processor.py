@@ -7,7 +7,6 @@ and waking callers stays with the engine.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -40,9 +39,7 @@ class OutputProcessor:
         if samples:
             item.logit_bias = self._logit_bias(seq)
             if seq.constraint is not None:
-                t0 = time.perf_counter()
                 item.bitmask = seq.constraint.allowed_token_bitmask()
-                self.constraints.mask_time_s += time.perf_counter() - t0
         return item
 
     def _logit_bias(self, seq: Sequence) -> np.ndarray | None:

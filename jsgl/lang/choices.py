@@ -172,3 +172,12 @@ def decide(choices: list[str], cond: list[list[TokenLogprob]], uncond: list[list
     weights = [math.exp((x - top) / temperature) if x > -math.inf else 0.0 for x in finite]
     pick = random.choices(range(len(choices)), weights=weights)[0]
     return ChoicesDecision(choices[pick], {**(decision.meta_info or {}), "sampled_from_scores": scores})
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Tokens two id lists share from the start (where a choice's own tokens begin after the prompt)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -21,7 +21,7 @@ import httpx
 from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import ChatTemplate, get_chat_template_from_tokenizer
-from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
+from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, common_prefix_len, decide
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import GenParams
 
@@ -67,14 +67,6 @@ class TemplateRenderer:
             raise NotImplementedError("a remote template renders text only")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **self._special, **kwargs)
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class RuntimeEndpoint(BaseBackend):
@@ -170,7 +162,7 @@ class RuntimeEndpoint(BaseBackend):
         tokenizes differently from the prompt alone; cache the prompt first; one batch for all choices."""
         tokens = self._post("/tokenize", {"prompt": [s.text_] + [s.text_ + c for c in choices]})["tokens"]
         prefix_ids, full_ids = tokens[0], tokens[1:]
-        starts = [_common_prefix_len(prefix_ids, f) for f in full_ids]
+        starts = [common_prefix_len(prefix_ids, f) for f in full_ids]
         if global_config.enable_prefix_hint and prefix_ids:
             self._generate({"input_ids": prefix_ids, "sampling_params": {"max_new_tokens": 0}})
         want_uncond = getattr(choices_method, "requires_unconditional_logprobs", False)

@@ -13,20 +13,12 @@ from typing import TYPE_CHECKING, Any
 from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import get_chat_template_from_tokenizer
-from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, decide
+from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, common_prefix_len, decide
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import GenParams
 
 if TYPE_CHECKING:
     from jsgl.lang.interpreter import StreamExecutor
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class EngineBackend(BaseBackend):
@@ -117,7 +109,7 @@ class EngineBackend(BaseBackend):
         """
         prefix_ids = self.encode(s.text_)
         full_ids = [self.encode(s.text_ + c) for c in choices]
-        starts = [_common_prefix_len(prefix_ids, f) for f in full_ids]
+        starts = [common_prefix_len(prefix_ids, f) for f in full_ids]
         if global_config.enable_prefix_hint and prefix_ids:
             self._result(prefix_ids, {"max_new_tokens": 0})
         want_uncond = getattr(choices_method, "requires_unconditional_logprobs", False)

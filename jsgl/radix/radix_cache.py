@@ -16,9 +16,9 @@ Ownership contract with the engine:
   are the tree's own, which the caller's lock kept alive). Equivalently: the slots in
   ``slots[:prefix_len]`` that differ from the tree's.
 * ``evict`` is the only place slots go back to the pool, through the ``free_slots`` callback.
-* ``reset`` drops the tree WITHOUT calling ``free_slots``: a cache flush happens when nothing is
-  running, and the engine then resets the whole pool allocator in one step, which is cheaper than
-  handing every slot back one by one and cannot leave the pool and the tree out of step.
+* ``reset`` drops the tree WITHOUT calling ``free_slots`` (for tools and tests that keep no pool).
+  The engine's flush instead evicts everything (``evict(total_size())``), which hands every slot
+  back through ``free_slots``.
 
 Paging (``page_size > 1``): every edge holds a whole number of pages, children are keyed by their
 first page (a tuple), matching and splitting happen at page boundaries only, and ``match_prefix``
