@@ -8,6 +8,16 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tests that load the model (through these fixtures) take seconds each: `pytest -m "not slow"` skips them
+# for a quick loop; CI runs everything.
+MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runtime", "solo"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def engine():

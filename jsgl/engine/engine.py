@@ -93,7 +93,7 @@ class Engine:
                                              self.config.jump_forward)
         self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
                                    self.allocator.capacity)
-        self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.max_context)
+        self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.scheduler.token_limit)
         self._reset_hit_rate_window()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}

@@ -30,11 +30,15 @@ class Batch:
     is_decode: bool
     seqs: list[Sequence]
     chunks: list[int]  # new tokens computed for each sequence this step
+    # Whether sequence i reaches the end of its tokens this step (and so samples the next one): fixed when
+    # the batch is made, as absorbing the step changes the sequence (a jump-forward appends several tokens).
+    sampling: list[bool] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling = [s.num_computed + c == s.num_tokens for s, c in zip(self.seqs, self.chunks)]
 
     def samples(self, i: int) -> bool:
-        """Whether sequence i reaches the end of its tokens this step (and so samples the next one)."""
-        seq = self.seqs[i]
-        return seq.num_computed + self.chunks[i] == seq.num_tokens
+        return self.sampling[i]
 
 
 @dataclasses.dataclass
@@ -58,6 +62,9 @@ class Scheduler:
         self.max_running = max_running
         self.chunk_size = chunk_size
         self.max_context = max_context
+        # A request stops growing here (FinishReason.LENGTH): past the pool's size it could never be
+        # scheduled again, and would wait (or be retracted and recomputed) forever.
+        self.token_limit = min(max_context, allocator.capacity)
         self.attention_budget_bytes = attention_budget_bytes
         self.attention_bytes = attention_bytes  # (num_items, max_new, max_len) -> bytes
         self.order_waiting = order_waiting  # policy hook: list[Sequence] -> list[Sequence]
@@ -270,8 +277,10 @@ class Scheduler:
             for seq in batch.seqs:
                 if not seq.finished:
                     self.cache_computed_prefix(seq)
-        for seq in batch.seqs:
-            if seq in self.prefilling and (seq.finished or seq.num_computed >= seq.num_tokens - 1):
+        for i, seq in enumerate(batch.seqs):
+            # Prefill is over once the request has sampled; a jump-forward on that sample leaves forced tokens
+            # to compute, which decode steps do (held in `prefilling`, it could never be retracted: a deadlock).
+            if seq in self.prefilling and (seq.finished or batch.samples(i)):
                 self.prefilling.remove(seq)
                 if not seq.finished:
                     self.running.append(seq)
