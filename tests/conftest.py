@@ -11,11 +11,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests that load the model (through these fixtures) take seconds each: `pytest -m "not slow"` skips them
 # for a quick loop; CI runs everything.
 MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runtime", "solo"})
+# Modules that build their own engines, servers or reference models.
+SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test_tensor_parallel",
+                          "test_server_launch", "test_model", "test_cpu_kernels", "test_soak"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        module = getattr(item, "module", None)
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or (
+                module is not None and module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES):
             item.add_marker(pytest.mark.slow)
 
 

@@ -183,7 +183,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             rid=f"r{n}", prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, ignore_eos=True),
             detok=IncrementalDetokenizer(FAKE_TOKENIZER, []), seed=n,
             stop_ids=set() if stop is None else {stop}, arrival_time=float(n))
-        if 0 < forced_start <= max_new:
+        if 0 < forced_start <= max_new and len(prompt) + forced_start < self.sched.token_limit:
             # ConstraintManager.activate: a forced start is appended to the output before scheduling.
             seq.output_ids.extend((7 - k) % 8 for k in range(forced_start))
             seq.jump_forward_tokens = forced_start

@@ -51,7 +51,7 @@ class ConstraintManager:
         seq.constraint_ready = get_index_async(regex, self.tokenizer, self.vocab_size)
         return seq.constraint_ready
 
-    def activate(self, seq: Sequence) -> None:
+    def activate(self, seq: Sequence, token_limit: int) -> None:
         """Engine thread, once the index is built: attach the constraint, jump over a forced start."""
         future, seq.constraint_ready = seq.constraint_ready, None
         try:
@@ -66,7 +66,9 @@ class ConstraintManager:
             forced = seq.constraint.jump_forward_text()
             if len(forced) >= MIN_JUMP_CHARS:
                 tokens = self.tokenizer(forced, add_special_tokens=False).input_ids
-                if len(tokens) <= seq.max_new_tokens:
+                # Within the request's budget and the scheduler's token limit (past it, the request could
+                # never be scheduled: the pool cannot hold it).
+                if len(tokens) <= seq.max_new_tokens and len(seq.prompt_ids) + len(tokens) < token_limit:
                     seq.output_ids.extend(tokens)
                     self._account(seq, forced, len(tokens))
 

@@ -256,7 +256,7 @@ class Engine:
                     still.append(seq)
                 continue
             try:
-                self.constraints.activate(seq)
+                self.constraints.activate(seq, self.scheduler.token_limit)
             except InvalidRequestError as exc:
                 self._finish(seq, FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc))
                 continue
