@@ -13,7 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runtime", "solo"})
 # Modules that build their own engines, servers or reference models.
 SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test_tensor_parallel",
-                          "test_server_launch", "test_model", "test_cpu_kernels", "test_soak"})
+                          "test_server_launch", "test_model", "test_cpu_kernels", "test_soak", "test_engine",
+                          "test_constrained_engine"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
