@@ -56,6 +56,15 @@ def tokenizer():
     return load_tokenizer("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def http(server):
+    """An HTTP client of the module's `server` fixture (a ServerThread)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
 def wait_idle(engine, timeout: float = 60.0) -> None:
     import time
 
@@ -64,3 +73,23 @@ def wait_idle(engine, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("engine did not become idle")
         time.sleep(0.01)
+
+
+def assert_no_leak(engine, timeout: float = 60.0) -> None:
+    """Once idle, every KV slot is either free or held by the prefix cache."""
+    wait_idle(engine, timeout)
+    assert engine.allocator.num_free() + engine.prefix_cache.total_size() == engine.allocator.capacity
+
+
+def assert_server_no_leak(http, timeout: float = 60.0) -> None:
+    """The same through a server's /get_server_info: nothing running, no slot lost."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        info = http.get("/get_server_info").json()
+        if info["idle"] and info["active_requests"] == 0:
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+    assert info["free_slots"] + info["cache_tokens"] == info["total_slots"], info

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_idle
+from conftest import assert_no_leak, wait_idle
 
 from jsgl.engine.engine import Engine
 from jsgl.engine.request import FinishReason, InvalidRequestError
@@ -18,16 +18,6 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8,",
     "Dear Sir or Madam, I am writing to you because I recently bought one of your vacuum cleaners and",
 ]
-
-
-def assert_no_leak(engine):
-    wait_idle(engine)
-    assert engine.allocator.num_free() + _cached(engine) == engine.allocator.capacity
-
-
-def _cached(engine) -> int:
-    cache = engine.prefix_cache
-    return 0 if cache is None else cache.total_size()
 
 
 def test_batch_equals_alone(engine):

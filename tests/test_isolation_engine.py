@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import wait_idle
+from conftest import assert_no_leak
 
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError, new_request_id
 
@@ -21,12 +21,6 @@ def solo(engine):
 
 def assert_victim_ok(out, solo) -> None:
     assert out.finish_reason == solo.finish_reason and out.text == solo.text, (out, solo)
-
-
-def assert_no_leak(engine) -> None:
-    wait_idle(engine)
-    cache = engine.prefix_cache.total_size() if engine.prefix_cache is not None else 0
-    assert engine.allocator.num_free() + cache == engine.allocator.capacity
 
 
 @pytest.mark.parametrize("bad", [
@@ -65,9 +59,10 @@ def test_request_ids_are_random_and_never_shared(engine):
                           request_id="mine")
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.submit("other", {"max_new_tokens": 2}, request_id="mine")
+    others = engine.submit_batch(["a", "b"], [{"max_new_tokens": 1}] * 2)  # fresh ids: accepted meanwhile
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.submit_batch(["a", "b"], [{"max_new_tokens": 1}] * 2) and engine.submit(
-            "b", {"max_new_tokens": 1}, request_id="mine")
+        engine.submit("b", {"max_new_tokens": 1}, request_id="mine")
+    assert all(h.result(timeout=60).finish_reason == FinishReason.LENGTH for h in others)
     out = first.result(timeout=120)
     assert out.finish_reason == FinishReason.LENGTH  # the rejected duplicates did not abort it
     # Once finished, the id is free again.

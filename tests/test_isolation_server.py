@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from conftest import assert_server_no_leak
 
 from jsgl.server.launch import ServerThread
 from jsgl.server.limits import ServerLimits
@@ -24,12 +25,6 @@ VICTIM = {"text": "One, two, three, four,", "sampling_params": {"temperature": 0
 def server(engine):
     with ServerThread(engine, limits=ServerLimits(max_body_bytes=4 << 20, max_batch_prompts=256)) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +106,6 @@ def assert_error(resp: httpx.Response, status: int, *words: str) -> str:
     return message
 
 
-def assert_no_leak(http, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = http.get("/get_server_info").json()
-        if info["idle"] and info["active_requests"] == 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
-    assert info["free_slots"] + info.get("cache_tokens", 0) == info["total_slots"], info
-
-
 # ----------------------------------------------------------------------------------- sampling parameters
 @pytest.mark.parametrize("raw, words", [
     ('{"text": "Hi", "return_logprob": true, "top_logprobs_num": 49152}', ["top_logprobs_num", "20"]),
@@ -134,7 +118,7 @@ def test_hostile_sampling_params_are_400_and_hurt_no_one(server, http, solo, raw
         t0 = time.perf_counter()
         assert_error(post_raw(http, "/generate", raw), 400, *words)
         assert time.perf_counter() - t0 < 1.0
-    assert_no_leak(http)
+    assert_server_no_leak(http)
 
 
 def test_openai_hostile_params(server, http):
@@ -187,7 +171,7 @@ def test_constraints_over_budget_are_400_and_hurt_no_one(server, http, solo, par
         streamed = http.post("/generate", json={**body, "stream": True})
         assert streamed.status_code == 400, streamed.text
     assert "Traceback" not in resp.text and "RecursionError" not in resp.text
-    assert_no_leak(http)
+    assert_server_no_leak(http)
 
 
 def test_openai_response_format_over_budget_is_400(server, http):
@@ -205,7 +189,7 @@ def test_big_bodies_and_prompts_are_refused_before_tokenizing(server, http, solo
         # Within the body limit, but more characters than the context could hold.
         assert_error(http.post("/generate", json={"text": "a " * (1 << 20)}), 400, "characters")
         assert time.perf_counter() - t0 < 3.0
-    assert_no_leak(http)
+    assert_server_no_leak(http)
 
 
 def test_tokenize_runs_off_the_event_loop(server, http, solo):
@@ -244,7 +228,7 @@ def test_batch_fan_out_is_bounded_and_starts_no_threads(server, http, solo):
     watcher.join()
     assert resp.status_code == 200 and len(resp.json()) == 200
     assert peak[0] - before < 20, (before, peak[0])  # a thread per request would add ~200
-    assert_no_leak(http)
+    assert_server_no_leak(http)
 
 
 def test_concurrent_request_limit_answers_503(server, http):
@@ -357,4 +341,4 @@ def test_small_constraints_are_served_while_heavy_builds_pend_and_abandoned_buil
         time.sleep(0.01)
     for t in threads:
         t.join(60)
-    assert_no_leak(http)
+    assert_server_no_leak(http)

@@ -226,12 +226,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8))
     def step(self, n: int) -> None:
         self._clean = False
+        self.run_steps(n)
+
+    def run_steps(self, n: int) -> bool:
+        """Up to `n` checked steps; True once no work is left."""
         for _ in range(n):
             if not self.sched.has_work():
-                break
-            batch = self._step()
-            assert batch is not None, "the scheduler has work but schedules nothing: nothing can change that"
+                return True
+            assert self._step() is not None, "the scheduler has work but schedules nothing: nothing can change that"
             self.check()
+        return not self.sched.has_work()
 
     @precondition(lambda self: self.sched.has_work())
     @rule(pick=st.integers(0, 1 << 16), in_absorb=st.booleans())
@@ -497,14 +501,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Drain: step until no work, then every request has finished and the whole pool comes back."""
         if not self._clean or not hasattr(self, "sched"):
             return  # a rule or check failed (or hypothesis stopped mid-rule): that failure is the report
-        for _ in range(MAX_DRAIN_STEPS):
-            if not self.sched.has_work():
-                break
-            batch = self._step()
-            assert batch is not None, "drain: the scheduler has work but schedules nothing"
-            self.check()
-        else:
-            raise AssertionError(f"drain: still working after {MAX_DRAIN_STEPS} steps")
+        assert self.run_steps(MAX_DRAIN_STEPS), f"drain: still working after {MAX_DRAIN_STEPS} steps"
         assert not self.live and all(seq.finished for seq in self.requests), "a request never finished"
         self.check()
         assert self.cache.protected_size() == 0, "locks left after every request finished"
@@ -536,12 +533,7 @@ def _machine(cache_kind: str) -> SchedulerMachine:
 
 
 def _drain(machine: SchedulerMachine, max_steps: int) -> None:
-    for _ in range(max_steps):
-        if not machine.sched.has_work():
-            return
-        assert machine._step() is not None, "the scheduler has work but schedules nothing, and never will"
-        machine.check()
-    raise AssertionError(f"still working after {max_steps} steps")
+    assert machine.run_steps(max_steps), f"still working after {max_steps} steps"
 
 
 @pytest.mark.parametrize("cache_kind", ["radix", "flat", "none", "null"])

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import httpx
 import openai
 import pytest
+from conftest import assert_server_no_leak
 
 import jsgl.lang as sgl
 from jsgl.engine.engine import Engine
@@ -43,12 +43,6 @@ def server(engine):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def oai(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
@@ -67,18 +61,6 @@ def greedy(engine, prompt, **params):
 
 def chat_prompt(engine, messages):
     return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def assert_no_leak(http, timeout=60.0):
-    """Nothing running, and every KV slot either free or held by the prefix cache."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = http.get("/get_server_info").json()
-        if info["idle"] and info["active_requests"] == 0:
-            break
-        assert time.monotonic() < deadline, info
-        time.sleep(0.05)
-    assert info["free_slots"] + info["cache_tokens"] == info["total_slots"], info
 
 
 def sse_events(resp):
@@ -261,7 +243,7 @@ def test_bad_inputs_get_400_and_server_keeps_serving(engine, http, oai):
         oai.completions.create(model=MODEL, prompt="hi", max_tokens=engine.max_context + 1)
     ok = http.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY})
     assert ok.status_code == 200 and ok.json()["text"] == greedy(engine, PROMPTS[0]).text
-    assert_no_leak(http)
+    assert_server_no_leak(http)
 
 
 def engine_supports_regex(engine) -> bool:
@@ -307,7 +289,7 @@ def test_abort_and_disconnect_free_kv(http, server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Twice", "max_tokens": 400,
                                                           "ignore_eos": True}, timeout=1.0)
-    assert_no_leak(http)
+    assert_server_no_leak(http)
     info = http.get("/get_server_info").json()
     assert info["client_aborts"] == before + 2 and info["active_requests"] == 0
 
@@ -350,7 +332,7 @@ def test_concurrent_clients_load(engine, http, server, regex_ok):
         t.join(timeout=300)
     assert not errors, errors[:3]
     assert len(results) == 256
-    assert_no_leak(http)
+    assert_server_no_leak(http)
     assert http.post("/flush_cache").json()["success"] is True
     info = http.get("/get_server_info").json()
     assert info["free_slots"] == info["total_slots"] and info["cache_tokens"] == 0

@@ -288,7 +288,7 @@ class Engine:
                     self._finish(seq, FinishReason.ABORT, AbortReason.SHUTDOWN, "engine shut down")
                 return
             if not self.scheduler.has_work():
-                # Wake at least once a second while constraints build, to time out stuck ones.
+                # Also the granularity of constraint timeouts while only pending requests remain.
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -380,13 +380,11 @@ class Engine:
         except Exception:
             if not self.runner.kv_intact():
                 raise
-            if len(items) > 1:
-                log.warning("a batched step of %d requests failed; rerunning each alone", len(items))
-                results = [self._forward_alone(seq, item, is_decode) for seq, item in zip(seqs, items)]
-            else:
-                results = [None]
+            if len(items) == 1:  # already alone
                 self._fail_one(seqs[0], "its model step")
-        return results
+                return [None]
+            log.warning("a batched step of %d requests failed; rerunning each alone", len(items))
+        return [self._forward_alone(seq, item, is_decode) for seq, item in zip(seqs, items)]
 
     def _forward_alone(self, seq: Sequence, item: Any, is_decode: bool) -> Any:
         try:

@@ -100,10 +100,6 @@ class AbortReason(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # its own input proved bad while running (a constraint failed to build)
     STEP_FAILED = "step_failed"  # the model step failed for this request (an engine fault: HTTP 500)
 
-    @property
-    def is_client_error(self) -> bool:
-        return self is AbortReason.INVALID_REQUEST
-
 
 @dataclasses.dataclass
 class GenerateOutput:

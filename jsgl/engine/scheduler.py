@@ -61,7 +61,6 @@ class Scheduler:
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.max_running = max_running
         self.chunk_size = chunk_size
-        self.max_context = max_context
         # A request stops growing here (FinishReason.LENGTH): past the pool's size it could never be
         # scheduled again, and would wait (or be retracted and recomputed) forever.
         self.token_limit = min(max_context, allocator.capacity)

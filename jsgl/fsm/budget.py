@@ -63,26 +63,17 @@ class BuildGuard:
 
     `preempt_after`: CPU seconds of this thread after which the build raises BuildPreempted (the
     fast lane's bound; CPU, not wall time, so a cheap build slowed by contention is not misjudged).
-    `yield_to`: while this event is clear (a fast-lane build is running) `check()` pauses, and the
-    pause does not count against the deadline. Without it a 10 ms `(yes|no)` build took 1-10 s
-    beside two heavy ones: each of its numpy calls releases the GIL and then waits a 5 ms switch
-    interval to get it back from the pure-Python interegular threads.
+    Builds run in child processes (build_process), so builds never compete for one GIL.
     """
 
     def __init__(self, budget: BuildBudget, cancelled: threading.Event | None = None,
-                 preempt_after: float | None = None, yield_to: threading.Event | None = None) -> None:
+                 preempt_after: float | None = None) -> None:
         self.budget = budget
         self.cancelled = cancelled if cancelled is not None else threading.Event()
         self.deadline = time.monotonic() + budget.max_build_seconds
         self.preempt_at = None if preempt_after is None else time.thread_time() + preempt_after
-        self.yield_to = yield_to
 
     def check(self) -> None:
-        if self.yield_to is not None and not self.yield_to.is_set():
-            paused = time.monotonic()
-            while not self.yield_to.wait(0.05) and not self.cancelled.is_set():
-                pass
-            self.deadline += time.monotonic() - paused
         if self.cancelled.is_set():
             raise CancelledError("constraint build released by every request waiting for it")
         if time.monotonic() > self.deadline:

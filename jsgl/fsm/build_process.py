@@ -13,7 +13,6 @@ that overstays its deadline (a backstop: the guard's own checks answer first).
 
 from __future__ import annotations
 
-import logging
 import pickle
 import select
 import subprocess
@@ -27,13 +26,13 @@ from jsgl.fsm.budget import BuildBudget, BuildGuard, BuildPreempted
 from jsgl.fsm.token_index import TokenIndex
 from jsgl.fsm.vocab import VocabBytes
 
-log = logging.getLogger(__name__)
-
 POLL_S = 0.02  # how often the waiting parent looks for a cancellation
 KILL_GRACE_S = 5.0  # past its deadline by this much, a child is killed
 
 
-# Idle priority before anything else: the child's imports (~0.3 s of CPU) must not compete with serving.
+# Idle priority before anything else, so the child's imports (~0.3 s of CPU) do not compete with serving
+# either: SCHED_IDLE runs the child only on a core nothing else wants. At nice 10 (or 19) two builds made an
+# unrelated request ~3x slower (a descheduled thread of the engine's two-thread matmul makes the other wait).
 _BOOT = ("import os\ntry:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
          "except (AttributeError, OSError):\n    os.nice(19)\n"
          "import runpy\nrunpy.run_module('jsgl.fsm.build_worker', run_name='__main__', alter_sys=True)\n")

@@ -6,8 +6,7 @@ fast-lane worker takes only builds whose cost is at most CHEAP_COST, so a fresh 
 waits behind heavy builds that already occupy both heavy workers. The static cost can be wrong
 (`(a|b)*a(a|b){14}` costs 33 but has 32 K states), so a fast-lane build that used more than
 CHEAP_SECONDS of CPU is preempted and re-queued for the heavy workers, at a cost above CHEAP_COST.
-(Each worker builds in a child process of its own: build_process.) A build run on the worker thread
-itself pauses at its budget checks while the fast lane runs, as it would otherwise starve it of the GIL.
+(Each worker builds in a child process of its own: build_process.)
 
 A Future is never marked running, so `Future.cancel()` works at any time: `BuildJob.cancel` cancels
 it (waiters get concurrent.futures.CancelledError at once), drops the job if it has not started,
@@ -58,12 +57,12 @@ class BuildJob:
         if self.queue is not None:
             self.queue.forget(self)
 
-    def run(self, preempt_after: float | None = None, yield_to: threading.Event | None = None) -> bool:
+    def run(self, preempt_after: float | None = None) -> bool:
         """Run the build (see BuildGuard for the arguments); False when it was preempted (the
         caller re-queues it)."""
         if self.cancelled.is_set():
             return True
-        guard = BuildGuard(self.budget, self.cancelled, preempt_after, yield_to)
+        guard = BuildGuard(self.budget, self.cancelled, preempt_after)
         try:
             result = self.build(guard)
         except BuildPreempted:
@@ -94,8 +93,6 @@ class BuildQueue:
         self._heap: list[BuildJob] = []
         self._pending = 0  # jobs in the heap that are not cancelled
         self._running = 0
-        self._fast_idle = threading.Event()  # clear while the fast lane runs: heavy builds pause
-        self._fast_idle.set()
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._work, args=(False,), name=f"jsgl-fsm-{i}", daemon=True)
                          for i in range(heavy_workers)]
@@ -150,20 +147,12 @@ class BuildQueue:
                 log.exception("constraint build worker failed to start")
         while True:
             job = self._take(fast_lane)
-            if fast_lane:
-                self._fast_idle.clear()
             try:
-                if fast_lane:
-                    done = job.run(preempt_after=self.cheap_seconds)
-                else:
-                    done = job.run(yield_to=self._fast_idle)
+                done = job.run(preempt_after=self.cheap_seconds if fast_lane else None)
             except BaseException as e:  # a bug outside the build itself: fail the job, keep the worker
                 log.exception("constraint build worker error")
                 _settle(job.future, exception=e)
                 done = True
-            finally:
-                if fast_lane:
-                    self._fast_idle.set()
             with self._cond:
                 self._running -= 1
             if not done:

@@ -20,24 +20,8 @@ from jsgl.fsm.budget import BuildGuard, BuildPreempted
 from jsgl.fsm.regex_fsm import compile_regex
 from jsgl.fsm.token_index import build_token_index
 
-NICENESS = 19  # where SCHED_IDLE is missing
-
-
-def lower_priority() -> None:
-    """SCHED_IDLE where Linux offers it: the child runs only on a core nothing else wants. At nice 10
-    two builds made an unrelated request 3x slower (a descheduled thread of the engine's two-thread
-    matmul makes the other wait)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(NICENESS)
-        except OSError:
-            pass
-
 
 def main() -> None:
-    lower_priority()  # (already done by build_process's boot code; kept for a child started by hand)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but replies may go to the pipe
     jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -17,6 +17,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jsgl.engine.admission import check_text
+from jsgl.errors import InvalidRequestError
+
 
 @dataclasses.dataclass
 class ServerLimits:
@@ -79,9 +82,9 @@ def find_invalid_unicode(value: Any, path: str = "body") -> str | None:
     surrogates; UTF-8, the tokenizer and our responses do not), or None."""
     if isinstance(value, str):
         try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return f"{path} (a lone surrogate at character {exc.start})"
+            check_text(value, path)
+        except InvalidRequestError as exc:
+            return str(exc)
         return None
     if isinstance(value, dict):
         for key, item in value.items():

@@ -32,7 +32,7 @@ class _ValidUnicode:
     def _check_unicode(cls, data: Any) -> Any:
         where = find_invalid_unicode(data)
         if where:
-            raise ValueError(f"not valid Unicode: {where}")
+            raise ValueError(where)
         return data
 
 

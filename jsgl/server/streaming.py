@@ -99,7 +99,7 @@ class HandleGroup:
         self.queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()
         self.finished = [False] * len(self.handles)
         self._registry = registry
-        self._peeked: list[tuple[int, StreamChunk]] = []
+        self._first: tuple[int, StreamChunk] | None = None  # taken by peek(), not yet yielded
         for i, handle in enumerate(self.handles):
             handle.subscribe(functools.partial(self._deliver, i, handle.request_id))
 
@@ -114,20 +114,21 @@ class HandleGroup:
 
     async def peek(self) -> tuple[int, StreamChunk]:
         """The first event, which `events()` will still yield (to answer an error before streaming)."""
-        if not self._peeked:
+        if self._first is None:
             index, chunk = await self.queue.get()
             if chunk.finished:
                 self.finished[index] = True
-            self._peeked.append((index, chunk))
-        return self._peeked[0]
+            self._first = (index, chunk)
+        return self._first
 
     async def events(self, request: Request | None = None,
                      poll_s: float = 0.5) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Yield (index, chunk) until every request has finished. With `request`, check every `poll_s`
         whether the client has disconnected and raise ClientDisconnected if so (non-streaming responses:
         nothing else notices a client that hangs up while we wait)."""
-        while self._peeked:
-            yield self._peeked.pop(0)
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
         getter: asyncio.Future | None = None
         loop = asyncio.get_running_loop()
         next_check = loop.time() + poll_s
