@@ -21,6 +21,9 @@ class EngineConfig:
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
     starvation_s: float | None = 30.0  # waiting longer than this goes first
     jump_forward: bool = True  # compressed-FSM jump-forward for regex/json_schema requests
+    # Constrained decoding: jsgl's compressed FSM (regex, JSON schema; jump-forward) or llguidance (also
+    # SGLang's `ebnf` grammars and schemas our regex conversion does not cover).
+    grammar_backend: str = "jsgl"  # jsgl | llguidance
     seed: int = 0  # seeds requests that do not bring their own
     tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)
     # Per-request limits (one request must not slow or break the others; cf. vLLM's --max-logprobs).
@@ -30,6 +33,8 @@ class EngineConfig:
     constraint_timeout_s: float = 60.0  # a regex/schema index not built by then fails its request (400)
 
     def __post_init__(self) -> None:
+        if self.grammar_backend not in ("jsgl", "llguidance"):
+            raise ValueError(f"grammar_backend must be jsgl or llguidance, not {self.grammar_backend!r}")
         if self.prefix_cache not in ("radix", "flat", "none"):
             raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
         if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 16:

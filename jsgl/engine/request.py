@@ -30,6 +30,8 @@ class SamplingParams:
     # Constrained decoding (jsgl.fsm): at most one of these.
     regex: str | None = None
     json_schema: str | dict | None = None
+    ebnf: str | None = None  # SGLang's EBNF grammar (GBNF dialect); needs a grammar backend that reads it
+    structural_tag: str | None = None
     jump_forward: bool | None = None  # None: the engine's default
     # Log-probabilities. logprob_start_len >= 0 asks for prompt logprobs from that prompt position on.
     return_logprob: bool = False
