@@ -18,6 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
         "attention_backend": ["auto", "native", "pallas", "cpu"],
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
+        "grammar_backend": ["jsgl", "llguidance"],
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -35,7 +36,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed_sample, "stop": args.stop or None}
+            "top_k": args.top_k, "sampling_seed": args.seed_sample, "stop": args.stop or None}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -34,9 +34,14 @@ class Admission:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_context * max(longest, 1)
 
-    def sampling_params(self, value: SamplingParams | dict | None) -> SamplingParams:
+    def sampling_params(self, value: SamplingParams | dict | None, allow_n: bool = False) -> SamplingParams:
+        """Validated params; ``allow_n``: the caller expands n > 1 into n requests (one request is one
+        sample)."""
         params = SamplingParams.from_any(value)
-        params.validate()
+        params.validate(self.vocab_size)
+        if params.n > 1 and not allow_n:
+            raise InvalidRequestError("n > 1 asks for several samples: expand it into n requests "
+                                      "(Engine.generate and the server do; Engine.submit takes one)")
         cfg = self.config
         if params.top_logprobs_num > cfg.max_top_logprobs:
             raise InvalidRequestError(f"top_logprobs_num is {params.top_logprobs_num}; this server allows at "

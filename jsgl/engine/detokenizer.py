@@ -1,8 +1,29 @@
-"""Incremental detokenization with stop strings checked on text, never split across tokens."""
+"""Incremental detokenization with stop strings and stop regexes checked on text, never split across tokens."""
 
 from __future__ import annotations
 
+import regex
 from transformers import PreTrainedTokenizerBase
+
+from jsgl.errors import InvalidRequestError
+
+# A stop_regex is searched from this many characters before the new text (fewer if the pattern's matches
+# are shorter): bounds the per-token cost of a pattern like `a.*b` on a long output.
+STOP_REGEX_WINDOW = 4096
+# One search may take this long; `(a|a)*b`-style backtracking would otherwise stall the engine thread
+# for every request (measured: 30 'a's take seconds). The request fails instead (400-class).
+STOP_REGEX_TIMEOUT_S = 0.01
+
+
+def _max_match_len(pattern: regex.Pattern) -> int:
+    """Longest text the pattern can match, or STOP_REGEX_WINDOW if unbounded (SGLang bounds it alike)."""
+    import re._parser as sre_parse
+
+    try:
+        _, high = sre_parse.parse(pattern.pattern).getwidth()
+    except Exception:  # a `regex`-only construct: no bound known
+        return STOP_REGEX_WINDOW
+    return min(int(high), STOP_REGEX_WINDOW)
 
 
 class IncrementalDetokenizer:
@@ -13,10 +34,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, *, stop_regexes: list[str] | None = None,
+                 spaces_between_special_tokens: bool = True, no_stop_trim: bool = False):
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        self.stop_regexes = [regex.compile(p) for p in stop_regexes or []]
+        self._regex_window = max((_max_match_len(p) for p in self.stop_regexes), default=0)
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.no_stop_trim = no_stop_trim  # keep the matched stop string in the text
+        self.check_stops = True  # False while min_new_tokens is not reached
         self.text = ""  # decoded so far, up to a stop string if one matched
         self.matched_stop: str | None = None
         self._prefix = 0  # window start (token index)
@@ -24,7 +51,11 @@ class IncrementalDetokenizer:
         self._emitted = 0  # characters already handed to the stream
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        if self.spaces_between_special_tokens:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Only slow (Python) tokenizers read this flag; fast ones never put spaces there.
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=False)
 
     def add(self, ids: list[int]) -> bool:
         """Account for ``ids`` (the whole output so far); returns True if a stop string matched."""
@@ -48,18 +79,36 @@ class IncrementalDetokenizer:
             return True
         if not new_text:
             return False
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop_strings), default=0))
+        old_len = len(self.text)
         self.text += new_text
-        cut = None
+        if not self.check_stops:
+            return False
+        search_from = max(0, old_len - max((len(s) for s in self.stop_strings), default=0))
+        cut = None  # (start, end, what matched)
         for stop in self.stop_strings:
             at = self.text.find(stop, search_from)
             if at >= 0 and (cut is None or at < cut[0]):
-                cut = (at, stop)
+                cut = (at, at + len(stop), stop)
+        if self.stop_regexes:
+            cut = self._search_regexes(old_len, cut)
         if cut is not None:
-            self.text = self.text[: cut[0]]
-            self.matched_stop = cut[1]
+            self.text = self.text[: cut[1] if self.no_stop_trim else cut[0]]
+            self.matched_stop = cut[2]
             return True
         return False
+
+    def _search_regexes(self, old_len: int, cut: tuple[int, int, str] | None) -> tuple[int, int, str] | None:
+        """The earliest stop_regex match ending in the new text (earlier text was searched before)."""
+        start = max(0, old_len - self._regex_window)
+        for pattern in self.stop_regexes:
+            try:
+                m = pattern.search(self.text, start, timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise InvalidRequestError(f"stop_regex {pattern.pattern!r} took over "
+                                          f"{STOP_REGEX_TIMEOUT_S * 1000:g} ms to search the output") from None
+            if m is not None and (cut is None or m.start() < cut[0]):
+                cut = (m.start(), m.end(), pattern.pattern)
+        return cut
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string. Only prefixes

@@ -34,6 +34,7 @@ from jsgl.engine.request import (
     SamplingParams,
     new_request_id,
 )
+from jsgl.engine.sampling_params import expand_parallel_samples
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.fsm import release_index
@@ -90,7 +91,7 @@ class Engine:
         self._flush: list[tuple[threading.Event, list[bool]]] = []
         self._pending: list[Sequence] = []  # waiting for their constraint's index to build
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
-                                             self.config.jump_forward)
+                                             self.config.jump_forward, self.config.grammar_backend)
         self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
                                    self.allocator.capacity)
         self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.scheduler.token_limit)
@@ -135,10 +136,15 @@ class Engine:
         if request_id is not None:
             check_text(request_id, "request id")
         ids = self.admission.prompt_ids(prompt, params)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        seed = params.sampling_seed
+        # The sampler keys on 32 bits: fold a 64-bit seed's halves together rather than drop one.
+        seed = self._rng.getrandbits(32) if seed is None else (seed ^ (seed >> 32)) & 0xFFFFFFFF
+        detok = IncrementalDetokenizer(
+            self.tokenizer, params.stop_strings, params.skip_special_tokens, stop_regexes=params.stop_regexes,
+            spaces_between_special_tokens=params.spaces_between_special_tokens, no_stop_trim=params.no_stop_trim)
+        detok.check_stops = params.min_new_tokens == 0
         seq = Sequence(
-            rid=request_id or new_request_id(), prompt_ids=ids, params=params,
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings, params.skip_special_tokens),
+            rid=request_id or new_request_id(), prompt_ids=ids, params=params, detok=detok,
             seed=seed, stop_ids=set() if params.ignore_eos else set(self.stop_ids),
         )
         seq.stop_ids |= set(params.stop_token_ids or [])
@@ -162,12 +168,17 @@ class Engine:
 
     def generate(self, prompts: str | Seq[int] | list, sampling_params: Any = None,
                  progress: bool | None = None) -> GenerateOutput | list[GenerateOutput]:
-        """Generate for one prompt or a list (ids lists count as one prompt each); blocks."""
+        """Generate for one prompt or a list (ids lists count as one prompt each); blocks. With n > 1 in
+        a prompt's params, its n outputs come consecutively and the result is always a list."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         if len(params) != len(batch):
             raise InvalidRequestError("need one sampling_params per prompt")
+        params = [self.admission.sampling_params(p, allow_n=True) for p in params]
+        if any(p.n > 1 for p in params):  # n samples of a prompt: n requests, consecutive (as SGLang)
+            batch, params = expand_parallel_samples(batch, params)
+            single = False
         handles = self.submit_batch(batch, params)
         show = progress if progress is not None else (not single and len(batch) > 1)
         if show:

@@ -47,6 +47,7 @@ class ForwardItem:
     step: int = 0
     bitmask: np.ndarray | None = None
     logit_bias: np.ndarray | None = None
+    repetition_scale: np.ndarray | None = None  # [V]: divide positive logits by it, multiply negative ones
     target_ids: np.ndarray | None = None  # next token of each new token, for prompt logprobs
 
 
@@ -171,7 +172,8 @@ class ModelRunner:
         sampling = self._sampling_inputs(items, num_b, top_logprobs, logprobs)
 
         signature = (num_t, num_b, max_q, max_l, sampling.all_greedy, sampling.need_sort, top_logprobs, logprobs,
-                     sampling.bitmask is not None, sampling.logit_bias is not None, prompt_top_k)
+                     sampling.bitmask is not None, sampling.logit_bias is not None,
+                     sampling.repetition_scale is not None, prompt_top_k)
         if signature not in self._signatures:
             self._signatures.add(signature)
             self.compiles += 1
@@ -212,8 +214,14 @@ class ModelRunner:
             for b, it in enumerate(items):
                 if it.logit_bias is not None:
                     logit_bias[b] = it.logit_bias
+        repetition_scale = None
+        if any(it.repetition_scale is not None for it in items):
+            repetition_scale = np.ones((num_b, vocab), np.float32)
+            for b, it in enumerate(items):
+                if it.repetition_scale is not None:
+                    repetition_scale[b] = it.repetition_scale
         sampled = temperature > 1e-5
         need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
-        return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias,
+        return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias, repetition_scale,
                               all_greedy=not sampled.any(), need_sort=need_sort, top_logprobs=top_logprobs,
                               token_logprobs=logprobs)

@@ -13,7 +13,7 @@ import numpy as np
 
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.model_runner import ForwardItem, StepOutput
-from jsgl.engine.request import FinishReason
+from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.sequence import Sequence
 
 
@@ -38,16 +38,38 @@ class OutputProcessor:
             item.target_ids = np.asarray(nxt + [0] * (chunk - len(nxt)), np.int32)
         if samples:
             item.logit_bias = self._logit_bias(seq)
+            item.repetition_scale = self._repetition_scale(seq)
             if seq.constraint is not None:
                 item.bitmask = seq.constraint.allowed_token_bitmask()
         return item
 
     def _logit_bias(self, seq: Sequence) -> np.ndarray | None:
+        """Additive: frequency/presence penalties over the output so far, the request's logit_bias, and
+        -inf on EOS and stop tokens until min_new_tokens (as SGLang's penalizers)."""
         p = seq.params
-        if not (p.frequency_penalty or p.presence_penalty) or not seq.output_ids:
+        penalize = bool(p.frequency_penalty or p.presence_penalty) and bool(seq.output_ids)
+        too_short = len(seq.output_ids) < p.min_new_tokens and bool(seq.stop_ids)
+        if not (penalize or too_short or p.logit_bias):
             return None
-        counts = np.bincount(np.asarray(seq.output_ids), minlength=self.vocab_size)
-        return (-p.frequency_penalty * counts - p.presence_penalty * (counts > 0)).astype(np.float32)
+        bias = np.zeros(self.vocab_size, np.float32)
+        if penalize:
+            counts = np.bincount(np.asarray(seq.output_ids), minlength=self.vocab_size)[: self.vocab_size]
+            bias -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        for token, value in p.token_bias().items():
+            bias[token] += value
+        if too_short:
+            bias[[t for t in seq.stop_ids if t < self.vocab_size]] = -np.inf
+        return bias
+
+    def _repetition_scale(self, seq: Sequence) -> np.ndarray | None:
+        """Multiplicative repetition penalty on tokens already generated (SGLang's: the output only;
+        transformers' processor also counts the prompt)."""
+        penalty = seq.params.repetition_penalty
+        if penalty == 1.0 or not seq.output_ids:
+            return None
+        scale = np.ones(self.vocab_size, np.float32)
+        scale[np.asarray(seq.output_ids)] = penalty
+        return scale
 
     # ------------------------------------------------------------------------------ step outputs
     def absorb(self, seq: Sequence, chunk: int, samples: bool, out: StepOutput, i: int) -> bool:
@@ -99,11 +121,19 @@ class OutputProcessor:
                 seq.input_top_logprobs.append(None)
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
-        if token in seq.stop_ids:
+        p = seq.params
+        reached_min = len(seq.output_ids) >= p.min_new_tokens
+        seq.detok.check_stops = reached_min
+        if token in seq.stop_ids and reached_min:
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
-            seq.detok.add(seq.output_ids[:-1])
+            seq.detok.add(seq.output_ids if p.no_stop_trim else seq.output_ids[:-1])
             return
-        if seq.detok.add(seq.output_ids):
+        try:
+            stopped = seq.detok.add(seq.output_ids)
+        except InvalidRequestError as exc:  # a stop_regex too slow to search: this request's fault
+            seq.finish_reason, seq.abort_reason, seq.error = FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc)
+            return
+        if stopped:
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
         elif seq.constraint is not None and seq.constraint.is_terminated():
             seq.finish_reason = FinishReason.STOP

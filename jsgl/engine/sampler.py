@@ -20,7 +20,8 @@ class SamplingInputs:
     seeds: jax.Array  # [B] uint32: a request's seed
     steps: jax.Array  # [B] int32: tokens it has sampled so far, folded into its key
     bitmask: jax.Array | None = None  # [B, ceil(V/32)] uint32 allowed tokens (constrained decoding)
-    logit_bias: jax.Array | None = None  # [B, V] float32 additive (frequency/presence penalties)
+    logit_bias: jax.Array | None = None  # [B, V] float32 additive (penalties, logit_bias, min_new_tokens)
+    repetition_scale: jax.Array | None = None  # [B, V] float32 repetition penalty (1: untouched)
     all_greedy: bool = dataclasses.field(metadata=dict(static=True), default=True)
     need_sort: bool = dataclasses.field(metadata=dict(static=True), default=False)  # any top-k/p/min-p
     top_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)
@@ -71,6 +72,8 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
     # Logprobs without writing out [B, V] of them; skipped when nobody asked (0.1-0.3 ms of a decode step).
     need_normalizer = s.token_logprobs or s.top_logprobs
     log_normalizer = jax.nn.logsumexp(raw, axis=-1) if need_normalizer else None
+    if s.repetition_scale is not None:
+        logits = jnp.where(logits < 0, logits * s.repetition_scale, logits / s.repetition_scale)
     if s.logit_bias is not None:
         logits = logits + s.logit_bias
     if s.bitmask is not None:

@@ -21,6 +21,8 @@ from jsgl.engine.request import (
     TokenConstraint,
 )
 
+NO_LIMIT = 1 << 31
+
 
 @dataclasses.dataclass(eq=False)
 class Sequence:
@@ -56,6 +58,7 @@ class Sequence:
     listener_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     output: GenerateOutput | None = None
+    published_tokens: int = 0  # output tokens covered by the chunks published so far
 
     @property
     def token_ids(self) -> list[int]:
@@ -75,7 +78,8 @@ class Sequence:
 
     @property
     def max_new_tokens(self) -> int:
-        return self.params.max_new_tokens
+        limit = self.params.max_new_tokens
+        return NO_LIMIT if limit is None else limit  # None: the context / token limit ends it
 
     def build_output(self) -> GenerateOutput:
         p = self.params
@@ -106,11 +110,20 @@ class Sequence:
     def publish(self) -> None:
         """Push new text to the stream; on finish, also the final output and wake waiters."""
         final = self.finished
+        p = self.params
+        start = self.published_tokens
+        if p.stream_interval and not final and len(self.output_ids) - start < p.stream_interval:
+            return  # stream_interval: the text waits for the next chunk
         delta = self.detok.stream_delta(final)
         if final:
             self.output = self.build_output()
         if delta or final:
-            chunk = StreamChunk(self.rid, delta, list(self.output_ids), final, self.output)
+            self.published_tokens = len(self.output_ids)
+            chunk = StreamChunk(self.rid, delta, list(self.output_ids), final, self.output, first_new_token=start)
+            if p.return_logprob:
+                chunk.output_logprobs = self.output_logprobs[start:]
+                if p.top_logprobs_num:
+                    chunk.output_top_logprobs = self.output_top_logprobs[start:]
             with self.listener_lock:
                 listener = self.listener
                 if listener is None:

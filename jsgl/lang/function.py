@@ -7,36 +7,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jsgl.lang.global_config import global_config
-from jsgl.lang.ir import GenParams
+from jsgl.lang.ir import GEN_PARAM_NAMES, GenParams
 
 
-def default_params(
-    max_new_tokens: int = 128,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    min_p: float = 0.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    ignore_eos: bool = False,
-    return_logprob: bool | None = None,
-    logprob_start_len: int | None = None,
-    top_logprobs_num: int | None = None,
-    return_text_in_logprobs: bool | None = None,
-) -> GenParams:
-    """The program-wide sampling defaults that each gen() call may override."""
-    return GenParams(
-        max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
-        top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs,
-    )
+def default_params(**params: Any) -> GenParams:
+    """The program-wide sampling defaults that each gen() call may override: any SamplingParams field
+    (max_new_tokens, temperature, stop, min_new_tokens, ...) plus return_text_in_logprobs."""
+    unknown = set(params) - set(_PARAM_NAMES)
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    return GenParams(**params)
 
 
-_PARAM_NAMES = tuple(inspect.signature(default_params).parameters)
+_PARAM_NAMES = tuple(name for name in GEN_PARAM_NAMES if name != "dtype")
 
 
 def split_sampling_kwargs(kwargs: dict[str, Any]) -> tuple[GenParams, dict[str, Any]]:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Any
+import typing
+from typing import Any, Optional
+
+from jsgl.engine.sampling_params import SamplingParams
 
 # Regexes behind gen(dtype=...). The trailing blanks of the number forms let the model end the number; the
 # matching stop strings (" ", "\n") then trim them from the value.
@@ -33,57 +36,44 @@ def dtype_name(dtype: type | str) -> str:
     return name
 
 
-@dataclasses.dataclass
-class GenParams:
-    """Sampling parameters as the frontend sees them: None means "not set here" (inherit the default)."""
+def _merged_over(self: Any, defaults: Any) -> Any:
+    """These values where set, else the defaults' (gen() overrides run())."""
+    out = dataclasses.replace(defaults)
+    for f in dataclasses.fields(self):
+        value = getattr(self, f.name)
+        if value is not None:
+            setattr(out, f.name, value)
+    return out
 
-    max_new_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    ignore_eos: bool | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    return_text_in_logprobs: bool | None = None
-    dtype: type | str | None = None
-    regex: str | None = None
-    json_schema: str | dict | None = None
 
-    def merged_over(self, defaults: GenParams) -> GenParams:
-        """These values where set, else the defaults' (gen() overrides run())."""
-        out = dataclasses.replace(defaults)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                setattr(out, f.name, value)
-        return out
-
-    def to_engine_kwargs(self) -> dict[str, Any]:
-        """The engine's SamplingParams fields; dtype becomes a regex plus stop strings, as in SGLang."""
+def _to_engine_kwargs(self: Any) -> dict[str, Any]:
+    """The engine's SamplingParams fields that are set (the rest keep the engine's defaults); dtype
+    becomes a regex plus stop strings, as in SGLang."""
+    out = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+    out.setdefault("max_new_tokens", SamplingParams.max_new_tokens)  # API backends need a number
+    if self.dtype is not None:
+        regex, extra_stop = _DTYPE_REGEX[dtype_name(self.dtype)]
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        regex = self.regex
-        if self.dtype is not None:
-            regex, extra_stop = _DTYPE_REGEX[dtype_name(self.dtype)]
-            stop += [s for s in extra_stop if s not in stop]
-        out: dict[str, Any] = {
-            "max_new_tokens": 128 if self.max_new_tokens is None else self.max_new_tokens,
-            "stop": stop or None,
-            "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
-            "regex": regex,
-            "json_schema": self.json_schema,
-        }
-        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "ignore_eos", "return_logprob", "logprob_start_len", "top_logprobs_num"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
+        out["regex"] = regex
+        out["stop"] = stop + [s for s in extra_stop if s not in stop]
+    if out.get("stop_token_ids") is not None:
+        out["stop_token_ids"] = list(out["stop_token_ids"])
+    return out
+
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_HINTS = typing.get_type_hints(SamplingParams)
+# Sampling parameters as the frontend sees them: the engine's SamplingParams with every field optional
+# (None: not set here, inherit the default), plus what only the frontend reads. Derived, so a parameter
+# added to SamplingParams reaches gen()/run() without being written again.
+GenParams = dataclasses.make_dataclass(
+    "GenParams",
+    [(name, Optional[_HINTS[name]], dataclasses.field(default=None)) for name in SAMPLING_FIELDS]  # noqa: UP045
+    + [("return_text_in_logprobs", Optional[bool], dataclasses.field(default=None)),  # noqa: UP045
+       ("dtype", Any, dataclasses.field(default=None))],
+    namespace={"merged_over": _merged_over, "to_engine_kwargs": _to_engine_kwargs, "__module__": __name__},
+)
+GEN_PARAM_NAMES = tuple(f.name for f in dataclasses.fields(GenParams))
 
 
 class Expr:

@@ -32,11 +32,12 @@ from jsgl.errors import InvalidRequestError, OverloadedError
 from jsgl.server import generate_api, openai_api, openai_chat
 from jsgl.server.common import APIError, ServerState, error_body, server_state
 from jsgl.server.limits import BodySizeLimit, ServerLimits
-from jsgl.server.protocol import AbortRequest
+from jsgl.server.protocol import AbortRequest, ConcateAndAppendRequest
 
 log = logging.getLogger("jsgl.server")
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the key, so launchers and probes can poll it
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # a one-token request slower than this means the engine is stuck or swamped
 
 
 class APIKeyMiddleware:
@@ -123,6 +124,19 @@ def _install_admin_routes(app: FastAPI) -> None:
         alive = server_state(request).engine._thread.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> JSONResponse:
+        """SGLang's deep health check: one token through the whole engine (queue, step, sampling)."""
+        engine = server_state(request).engine
+        try:
+            handle = await asyncio.to_thread(engine.submit, [0], {"max_new_tokens": 1, "temperature": 0})
+            out = await asyncio.to_thread(handle.result, HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as exc:  # any failure is "unhealthy", never a 500 of the check itself
+            log.warning("health_generate failed: %s", exc)
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        healthy = out.finish_reason is not None and out.completion_tokens == 1
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
+
     @app.get("/get_model_info")
     async def model_info(request: Request) -> dict[str, Any]:
         state = server_state(request)
@@ -134,6 +148,7 @@ def _install_admin_routes(app: FastAPI) -> None:
                 "eos_token": tok.eos_token}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # the name SGLang's RuntimeEndpoint.get_server_info() calls
     async def server_info(request: Request) -> dict[str, Any]:
         state = server_state(request)
         engine = state.engine
@@ -147,6 +162,15 @@ def _install_admin_routes(app: FastAPI) -> None:
         if not await asyncio.to_thread(server_state(request).engine.flush_cache):
             raise APIError("the cache was not flushed: requests are running; retry when idle", status=400)
         return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append(req: ConcateAndAppendRequest) -> dict[str, Any]:
+        """Called by SGLang's frontend when a fork joins with mode="concate_and_append". SGLang's parallel
+        encoding glued the branches' KV together without recomputing it (positions shifted: an approximation).
+        jsgl keeps the joined state exact instead: the client has appended the branches' text, so its next
+        /generate reuses the fork point's prefix from the radix cache and prefills the branches' text after
+        it. Nothing is left to do here; the ids are the client's stream ids, which /generate never sees."""
+        return {"success": True, "src_rids": req.src_rids, "dst_rid": req.dst_rid}
 
     @app.post("/abort_request")
     async def abort_request(req: AbortRequest, request: Request) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from jsgl.engine.request import GenerateOutput
+from jsgl.engine.request import GenerateOutput, StreamChunk
+from jsgl.engine.sampling_params import SamplingParams, expand_parallel_samples
 from jsgl.server.common import (
     APIError,
     ServerState,
@@ -70,19 +71,33 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def _engine_params(state: ServerState, req: GenerateRequest, n: int) -> list[dict[str, Any]]:
+def _engine_params(state: ServerState, req: GenerateRequest, n: int) -> list[SamplingParams]:
     sampling = _per_item(req.sampling_params or GenerateSamplingParams(), n, "sampling_params")
     logprob = _per_item(req.return_logprob, n, "return_logprob")
     start = _per_item(req.logprob_start_len, n, "logprob_start_len")
     top = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
     out = []
     for sp, lp, st, tp in zip(sampling, logprob, start, top, strict=True):
-        check_max_tokens(state, sp.max_new_tokens, "max_new_tokens")
+        # Unset and null fields take the engine's defaults (SamplingParams.from_any drops the nulls).
         params = sp.model_dump(exclude_unset=True)
-        params.setdefault("max_new_tokens", sp.max_new_tokens)
-        params.update(return_logprob=lp, logprob_start_len=st if lp else -1, top_logprobs_num=tp if lp else 0)
-        out.append(params)
+        check_max_tokens(state, params.get("max_new_tokens") or 0, "max_new_tokens")
+        lp = bool(lp)
+        params.update(return_logprob=lp, logprob_start_len=(-1 if st is None else st) if lp else -1,
+                      top_logprobs_num=(tp or 0) if lp else 0)
+        out.append(SamplingParams.from_any(params))
     return out
+
+
+def _parallel_samples(prompts: list[Any], params: list[SamplingParams], rids: list[str] | None,
+                      ) -> tuple[list[Any], list[SamplingParams], list[str] | None]:
+    """n > 1: n requests per prompt (sample j's rid is `{rid}-{j}`)."""
+    for p in params:
+        p.validate()  # n's range before expanding it; the engine checks the rest again per sample
+    counts = [p.n for p in params]
+    prompts, params = expand_parallel_samples(prompts, params)
+    if rids is not None:
+        rids = [f"{rid}-{j}" for rid, n in zip(rids, counts, strict=True) for j in range(n)]
+    return prompts, params, rids
 
 
 def _triples(state: ServerState, pairs: Any, with_text: bool) -> list[list[Any]]:
@@ -121,6 +136,9 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     rids = None if req.rid is None else _per_item(req.rid, len(prompts), "rid")
     if rids is not None and not isinstance(req.rid, list) and len(prompts) > 1:
         raise APIError("a batch needs one `rid` per prompt", param="rid")
+    if any(p.n != 1 for p in params):
+        prompts, params, rids = _parallel_samples(prompts, params, rids)
+        single = False  # SGLang answers n > 1 with a list, the samples of each prompt consecutive
     handles = await submit(state.engine, state.registry, prompts, params, rids,
                            max_live=state.limits.max_concurrent_requests)
     group = HandleGroup(handles, state.registry)
@@ -135,27 +153,39 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     raise_if_invalid(outs)
 
     def render() -> bytes:  # logprob bodies can be megabytes: built and encoded off the event loop
-        bodies = [generate_body(state, out, p["return_logprob"], with_text) for out, p in zip(outs, params)]
+        bodies = [generate_body(state, out, p.return_logprob, with_text) for out, p in zip(outs, params)]
         return json.dumps(bodies[0] if single else bodies, ensure_ascii=False).encode()
 
     return Response(await asyncio.to_thread(render), media_type="application/json")
 
 
-async def _stream(state: ServerState, group: HandleGroup, params: list[dict[str, Any]], single: bool,
+async def _stream(state: ServerState, group: HandleGroup, params: list[SamplingParams], single: bool,
                   with_text: bool) -> AsyncIterator[str]:
     texts = [""] * len(group.handles)
     async for i, chunk in group.events():
         if chunk.finished:
-            event = generate_body(state, chunk.output, params[i]["return_logprob"], with_text)
+            event = generate_body(state, chunk.output, params[i].return_logprob, with_text)
         else:
             texts[i] += chunk.text_delta
             # Cumulative text, as SGLang streams it; meta_info says how far along the request is.
             event = {"text": texts[i], "meta_info": {"id": chunk.request_id, "finish_reason": None,
                                                      "completion_tokens": len(chunk.token_ids)}}
+        if params[i].return_logprob:
+            _chunk_logprobs(state, event["meta_info"], chunk, with_text)
         if not single:
             event["index"] = i
         yield sse(event)
     yield SSE_DONE
+
+
+def _chunk_logprobs(state: ServerState, meta: dict[str, Any], chunk: StreamChunk, with_text: bool) -> None:
+    """A stream's output logprobs come per chunk (the chunk's new tokens), with the running count, as
+    SGLang's text_async_iter(return_meta_data=True) yields them; prompt logprobs come with the last chunk."""
+    new_ids = chunk.token_ids[chunk.first_new_token:]
+    meta["output_token_logprobs"] = _triples(state, zip(chunk.output_logprobs or [], new_ids), with_text)
+    meta["output_token_logprobs_length"] = len(chunk.token_ids)
+    if chunk.output_top_logprobs is not None:
+        meta["output_top_logprobs"] = _top(state, chunk.output_top_logprobs, with_text)
 
 
 @router.post("/tokenize")

@@ -28,7 +28,7 @@ from jsgl.server.common import (
     server_state,
     token_pieces,
 )
-from jsgl.server.protocol import CompletionRequest, OpenAIBase
+from jsgl.server.openai_protocol import CompletionRequest, OpenAIBase
 from jsgl.server.streaming import (
     SSE_DONE,
     ClientDisconnected,

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from jsgl.engine.request import GenerateOutput
 from jsgl.server.common import APIError, ServerState, check_max_tokens, server_state
 from jsgl.server.openai_api import new_id, respond_with_choices, run_choices, sampling_params
-from jsgl.server.protocol import ChatCompletionRequest, ChatMessage
+from jsgl.server.openai_protocol import ChatCompletionRequest, ChatMessage
 
 router = APIRouter()
 

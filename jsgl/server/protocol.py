@@ -1,17 +1,19 @@
-"""Request bodies of the HTTP API as pydantic models.
+"""Request bodies of SGLang's native API as pydantic models (the OpenAI ones: openai_protocol.py).
 
-Field names follow SGLang's `/generate` (GenerateReqInput, sampling params) and OpenAI's `/v1` APIs so
-existing clients work unchanged. Unknown fields are rejected on our own endpoints (a typo in a sampling
-parameter should fail loudly) but ignored on the OpenAI ones, whose clients send fields we do not model
-(`user`, `metadata`, ...).
+Field names follow SGLang's `/generate` (GenerateReqInput, sampling params) so its clients work unchanged.
+Unknown fields are rejected (a typo in a sampling parameter should fail loudly); fields SGLang defines but
+jsgl cannot honour get a 400 that names them and says why.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+import typing
+from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, create_model, model_validator
 
+from jsgl.engine.sampling_params import ALIASES, REQUEST_LEVEL_FIELDS, SamplingParams
 from jsgl.server.limits import find_invalid_unicode
 
 
@@ -37,34 +39,70 @@ class _ValidUnicode:
 
 
 # ---------------------------------------------------------------------------------------------- /generate
-class GenerateSamplingParams(_Strict):
-    """`sampling_params` of /generate: the engine's SamplingParams minus the logprob fields (top level)."""
+def _derive_sampling_model() -> type[BaseModel]:
+    """`sampling_params` of /generate, derived from the engine's SamplingParams (minus the logprob fields,
+    which /generate takes at the top level). Every field may be null (= its default, as in SGLang); the
+    engine checks values, so the in-process API and the server refuse the same things."""
+    hints = typing.get_type_hints(SamplingParams)
+    fields: dict[str, Any] = {
+        f.name: (Optional[hints[f.name]], None)  # noqa: UP045  (a runtime-built annotation)
+        for f in dataclasses.fields(SamplingParams) if f.name not in REQUEST_LEVEL_FIELDS
+    }
+    fields.update({alias: (Optional[hints[name]], None) for alias, name in ALIASES.items()})  # noqa: UP045
+    return create_model("GenerateSamplingParams", __base__=_Strict, **fields)
 
-    max_new_tokens: int = Field(128, ge=0)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    regex: str | None = None
-    json_schema: str | dict[str, Any] | None = None
-    jump_forward: bool | None = None
+
+GenerateSamplingParams = _derive_sampling_model()
+
+# GenerateReqInput fields SGLang defines that jsgl cannot honour: accepted at their "off" value (clients
+# send some as null), otherwise a 400 saying why, never an "unknown field" error.
+UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("image_data", "video_data", "audio_data", "input_embeds", "modalities", "mm_hashes",
+                     "mm_content_hashes", "use_audio_in_video", "video_config", "positional_embed_overrides"),
+                    "jsgl serves text-only models"),
+    **dict.fromkeys(("lora_path", "lora_id"), "no LoRA adapters are loaded"),
+    "custom_logit_processor": "jsgl does not load custom logit processors",
+    **dict.fromkeys(("session_id", "session_params"), "sessions are not implemented; send the whole text"),
+    "token_ids_logprob": "logprobs of chosen token ids are not implemented; use top_logprobs_num",
+    **dict.fromkeys(("return_hidden_states", "return_routed_experts", "return_indexer_topk",
+                     "return_sampling_mask", "return_flat_raw_top_logprobs",
+                     "return_flat_raw_output_top_logprobs", "sampling_logprobs_mode"),
+                    "jsgl does not return this"),
+    **dict.fromkeys(("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                     "decode_tp_size", "disagg_prefill_dp_rank"), "prefill/decode disaggregation is not implemented"),
+    **dict.fromkeys(("data_parallel_rank", "routed_dp_rank"), "jsgl serves one data-parallel rank"),
+    "watermark": "jsgl does not implement watermarking",
+    "background": "background requests are not implemented",
+    "require_reasoning": "reasoning control is not implemented",
+}
+# Fields accepted and ignored, as they change nothing about the result (logging and routing hints).
+IGNORED_REQUEST_FIELDS = ("log_metrics", "routing_key", "conversation_id", "http_worker_ipc",
+                          "return_prompt_token_ids", "routed_experts_start_len")
+
+
+def _is_off(value: Any) -> bool:
+    return value in (None, False, 0, "", [], {}) or (isinstance(value, list) and all(_is_off(v) for v in value))
 
 
 class GenerateRequest(_ValidUnicode, _Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, why in UNSUPPORTED_REQUEST_FIELDS.items():
+            if name in data and not _is_off(data[name]):
+                raise ValueError(f"`{name}` is not supported: {why}")
+        dropped = UNSUPPORTED_REQUEST_FIELDS.keys() | set(IGNORED_REQUEST_FIELDS)
+        return {k: v for k, v in data.items() if k not in dropped}
+
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams | list[GenerateSamplingParams] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    return_logprob: bool | list[bool] | None = False
+    logprob_start_len: int | list[int] | None = -1
+    top_logprobs_num: int | list[int] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
 
@@ -79,70 +117,6 @@ class AbortRequest(_ValidUnicode, _Strict):
     abort_all: bool = False
 
 
-# ------------------------------------------------------------------------------------------------ OpenAI
-class StreamOptions(_Lenient):
-    include_usage: bool = False
-
-
-class OpenAIBase(_Lenient):
-    """Fields shared by /v1/completions and /v1/chat/completions (incl. SGLang's extra sampling knobs)."""
-
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = Field(1, ge=1, le=64)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    # Extensions (vLLM/SGLang style, passed through `extra_body` by the openai client).
-    top_k: int | None = None
-    min_p: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    regex: str | None = None
-    json_schema: str | dict[str, Any] | None = None
-
-
-class CompletionRequest(_ValidUnicode, OpenAIBase):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class JsonSchemaFormat(_Lenient):
-    name: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class ChatMessage(_Lenient):
-    role: str
-    # A string, or OpenAI content parts ([{"type": "text", "text": ...}]); only text parts are served.
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-
-
-class ChatCompletionRequest(_ValidUnicode, OpenAIBase):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    # Extension: continue the last (assistant) message instead of opening a new assistant turn. Lets a
-    # client prefill the start of the reply; the DSL's OpenAI backend uses it to resume a partial turn.
-    continue_final_message: bool = False
+class ConcateAndAppendRequest(_ValidUnicode, _Strict):
+    src_rids: list[str]
+    dst_rid: str
