@@ -117,6 +117,26 @@ def _gather_kv(bt_ref, k_ref, v_ref, first_key, length, block_k: int):
     return key_pos, k_ref[slots, :], v_ref[slots, :]
 
 
+def _online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(un-normalised output, running max, running sum) before the first key block."""
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def _online_softmax_block(carry: tuple[jax.Array, jax.Array, jax.Array], q: jax.Array, k: jax.Array,
+                          v: jax.Array, valid: jax.Array, scale: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold one block of keys into the running softmax (flash attention's recurrence), shared by the decode
+    and extend kernels; ``valid`` [rows, block_k] masks keys a row may not see."""
+    acc, m_prev, l_prev = carry
+    s = jnp.where(valid, _dot(q, k, trans_b=True) * scale, _MASK_VALUE)  # [rows, block_k]
+    m_next = jnp.maximum(m_prev, s.max(axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
+    l_next = alpha * l_prev + p.sum(axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_next, l_next
+
+
 # ----------------------------------------------------------------------------------------------------
 # Decode: one query token per request, all G query heads of a KV head per program, split-K.
 # ----------------------------------------------------------------------------------------------------
@@ -147,24 +167,10 @@ def _decode_kernel(
     count = jnp.maximum(jnp.minimum(first + per_split, num_blocks) - first, 0)
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry
         key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, (first + i) * block_k, length, block_k)
-        s = _dot(q, k, trans_b=True) * scale  # [block_h, block_k]
-        valid = (key_pos < length)[None, :]
-        s = jnp.where(valid, s, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + p.sum(axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_next, l_next
+        return _online_softmax_block(carry, q, k, v, (key_pos < length)[None, :], scale)
 
-    init = (
-        jnp.zeros((block_h, head_dim), jnp.float32),
-        jnp.full((block_h,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((block_h,), jnp.float32),
-    )
-    acc, m_run, l_run = lax.fori_loop(0, count, body, init)
+    acc, m_run, l_run = lax.fori_loop(0, count, body, _online_softmax_init(block_h, head_dim))
     o_ref[...] = acc
     m_ref[...] = m_run
     l_ref[...] = l_run
@@ -335,24 +341,11 @@ def _extend_kernel(
         num_blocks = jnp.maximum(pl.cdiv(hi, block_k), 0)
 
         def body(i, carry):
-            acc, m_prev, l_prev = carry
             key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, i * block_k, kv_len, block_k)
-            s = _dot(q, k, trans_b=True) * scale  # [block_q, block_k]
-            valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)
-            s = jnp.where(valid, s, _MASK_VALUE)
-            m_next = jnp.maximum(m_prev, s.max(axis=1))
-            alpha = jnp.exp(m_prev - m_next)
-            p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
-            l_next = alpha * l_prev + p.sum(axis=1)
-            acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-            return acc, m_next, l_next
+            valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)  # causal + in range
+            return _online_softmax_block(carry, q, k, v, valid, scale)
 
-        init = (
-            jnp.zeros((block_q, head_dim), jnp.float32),
-            jnp.full((block_q,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((block_q,), jnp.float32),
-        )
-        acc, _, l_run = lax.fori_loop(0, num_blocks, body, init)
+        acc, _, l_run = lax.fori_loop(0, num_blocks, body, _online_softmax_init(block_q, head_dim))
         out = acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]
         plgpu.store(o_ref.at[pl.ds(start, block_q), :], out.astype(o_ref.dtype), mask=row_ok_2d)
 
