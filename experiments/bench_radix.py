@@ -18,7 +18,7 @@ import json
 import random
 import time
 
-from experiments.datasets import mmlu_five_shot, mmlu_subjects, sharegpt_first_turns
+from jsgl.experiments.datasets import mmlu_five_shot, mmlu_subjects, sharegpt_first_turns
 
 ANSWER = {"max_new_tokens": 1, "temperature": 0}
 SUBJECTS = ["high_school_geography", "marketing", "nutrition", "sociology", "world_religions",

@@ -109,9 +109,9 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
     import importlib.util
 
-    name = f"experiments.bench_{args.which}"
+    name = f"jsgl.experiments.bench_{args.which}"
     if importlib.util.find_spec(name) is None:  # experiments that are not benchmarks (soak)
-        name = f"experiments.{args.which}"
+        name = f"jsgl.experiments.{args.which}"
     module = importlib.import_module(name)
     return module.main(rest) or 0
 

@@ -50,3 +50,13 @@ def test_the_checker_sees_violations(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\nfrom jsgl.engine.request import X\n\ndef f():\n    import jsgl.server.app\n")
     assert jsgl_imports(module) == {"engine", "server"}
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages by hand (experiments/ installs as jsgl.experiments): a new
+    subpackage missing from the list would be absent from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {"jsgl"} | {f"jsgl.{p.parent.name}" for p in ROOT.glob("*/__init__.py")}
+    assert on_disk | {"jsgl.experiments"} == listed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.soak import run_soak
+from jsgl.experiments.soak import run_soak
 from jsgl.server.launch import launch_server_process
 
 
