@@ -5,8 +5,8 @@ streaming, constrained, select, chat, aborted, disconnecting, oversize and hosti
 from __future__ import annotations
 
 import pytest
-
 from jsgl.experiments.soak import run_soak
+
 from jsgl.server.launch import launch_server_process
 
 

@@ -1,9 +1,11 @@
 """OpenAI-compatible API, part 1: /v1/models, /v1/completions and what chat shares with completions.
 
-Requests become engine requests with the same sampling semantics as /generate; `n` choices are `n`
-engine requests submitted together (so they are batched), choice j seeded `seed + j` when a seed is given.
-SGLang/vLLM extensions (`top_k`, `min_p`, `regex`, `json_schema`, `ignore_eos`, `stop_token_ids`) are
-accepted as extra body fields. Streamed logprobs arrive with each choice's final chunk.
+Requests become engine requests with the same sampling semantics as /generate: the OpenAI fields that
+are SamplingParams fields go through under their own names (openai_protocol.py derives them), `seed`
+becomes `sampling_seed`, `max_tokens` / `min_tokens` become `max_new_tokens` / `min_new_tokens`, and
+`response_format` becomes the engine's `json_schema`. `n` choices are the engine's parallel samples
+(`expand_parallel_samples`: choice k of prompt i is request `{id}-{i * n + k}`, seeded `seed + k`),
+submitted together so they are batched. Streamed logprobs arrive with each choice's final chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from jsgl.engine.request import FinishReason, GenerateOutput
+from jsgl.engine.sampling_params import SamplingParams, expand_parallel_samples
 from jsgl.server.common import (
     APIError,
     ServerState,
@@ -28,7 +31,7 @@ from jsgl.server.common import (
     server_state,
     token_pieces,
 )
-from jsgl.server.openai_protocol import CompletionRequest, OpenAIBase
+from jsgl.server.openai_protocol import SAMPLING_FIELD_NAMES, CompletionRequest, OpenAIBase
 from jsgl.server.streaming import (
     SSE_DONE,
     ClientDisconnected,
@@ -40,6 +43,7 @@ from jsgl.server.streaming import (
 )
 
 router = APIRouter()
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 
 
 # ------------------------------------------------------------------------------------------- shared parts
@@ -47,33 +51,36 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def sampling_params(req: OpenAIBase, max_tokens: int) -> dict[str, Any]:
-    """Engine SamplingParams fields of an OpenAI request (unset fields keep the engine's defaults)."""
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported by this server", param="logit_bias")
-    params: dict[str, Any] = {"max_new_tokens": max_tokens, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
-                              "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
-                              "regex": req.regex, "json_schema": req.json_schema}
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed"):
-        value = getattr(req, name)
-        if value is not None:
-            params[name] = value
+def response_format_params(req: OpenAIBase) -> dict[str, Any]:
+    """response_format -> the engine's json_schema (json_object: any JSON object)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+    if req.regex is not None or req.json_schema is not None or req.ebnf is not None:
+        raise APIError("give response_format or regex/json_schema/ebnf, not both", param="response_format")
+    if fmt.type == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError("response_format json_schema needs json_schema.schema", param="response_format")
+    return {"json_schema": fmt.json_schema.schema_}
+
+
+def sampling_params(req: OpenAIBase, max_tokens: int | None) -> dict[str, Any]:
+    """Engine SamplingParams fields of an OpenAI request (unset fields keep the engine's defaults; n is
+    expanded by run_choices)."""
+    params: dict[str, Any] = {name: value for name in SAMPLING_FIELD_NAMES
+                              if (value := getattr(req, name)) is not None}
+    params["max_new_tokens"] = max_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
+    for token, bias in (req.logit_bias or {}).items():  # the engine checks the ids against the vocabulary
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise APIError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}",
+                           param="logit_bias")
+    params.update(response_format_params(req))
     return params
-
-
-def expand_n(prompts: list[Any], params: dict[str, Any], n: int, rid_base: str
-             ) -> tuple[list[Any], list[dict[str, Any]], list[str]]:
-    """Choice k = prompt k // n, sample k % n (OpenAI's ordering of choices)."""
-    out_prompts, out_params, rids = [], [], []
-    for i, prompt in enumerate(prompts):
-        for j in range(n):
-            p = dict(params)
-            if j and p.get("seed") is not None:
-                p["seed"] = p["seed"] + j  # the same seed would make every choice identical
-            out_prompts.append(prompt)
-            out_params.append(p)
-            rids.append(f"{rid_base}-{i * n + j}")
-    return out_prompts, out_params, rids
 
 
 def openai_finish_reason(out: GenerateOutput) -> str | None:
@@ -100,20 +107,27 @@ def raise_if_failed(outs: list[GenerateOutput]) -> None:
 
 async def run_choices(state: ServerState, prompts: list[Any], params: dict[str, Any], n: int,
                       rid_base: str) -> HandleGroup:
+    """Submit n choices per prompt; choice k (OpenAI's order: the choices of a prompt together) is
+    request `{rid_base}-{k}`."""
     check_batch(state, len(prompts) * n)
-    all_prompts, all_params, rids = expand_n(prompts, params, n, rid_base)
+    one = SamplingParams.from_any({**params, "n": n})
+    all_prompts, all_params = expand_parallel_samples(prompts, [one] * len(prompts))
+    rids = [f"{rid_base}-{k}" for k in range(len(all_prompts))]
     handles = await submit(state.engine, state.registry, all_prompts, all_params, rids,
                            max_live=state.limits.max_concurrent_requests)
     return HandleGroup(handles, state.registry)
 
 
-ChunkMaker = Callable[[int, str, "str | None", Any], dict[str, Any]]
+ChunkMaker = Callable[[int, str, "str | None", Any], list[dict[str, Any]]]
+# A choice's own fields for one engine chunk: one event's (a dict) or several events' (a list; chat's tool
+# calls). "finish_reason" among them overrides the engine's (chat: "tool_calls").
+FieldsOf = Callable[[int, str, "str | None"], "dict[str, Any] | list[dict[str, Any]]"]
 LogprobsOf = Callable[[GenerateOutput], Any]
 
 
 async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, logprobs_of: LogprobsOf,
                          usage_chunk: Callable[[list[GenerateOutput]], dict[str, Any]] | None) -> AsyncIterator[str]:
-    """The SSE body shared by both endpoints: one event per text delta; the final chunk of a choice
+    """The SSE body shared by both endpoints: events per text delta; the final chunk of a choice
     carries its finish_reason (and logprobs); then an optional usage event and [DONE]."""
     outs: list[GenerateOutput | None] = [None] * len(group.handles)
     async for i, chunk in group.events():
@@ -123,9 +137,11 @@ async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, logprobs_of
                 yield sse({"error": {"message": f"generation failed: {out.error}", "type": "server_error",
                                      "code": 500}})
                 continue
-            yield sse(make_chunk(i, chunk.text_delta, openai_finish_reason(out), logprobs_of(out)))
+            for event in make_chunk(i, chunk.text_delta, openai_finish_reason(out), logprobs_of(out)):
+                yield sse(event)
         elif chunk.text_delta:
-            yield sse(make_chunk(i, chunk.text_delta, None, None))
+            for event in make_chunk(i, chunk.text_delta, None, None):
+                yield sse(event)
     if usage_chunk is not None and all(o is not None for o in outs):
         yield sse(usage_chunk(outs))
     yield SSE_DONE
@@ -133,7 +149,7 @@ async def stream_choices(group: HandleGroup, make_chunk: ChunkMaker, logprobs_of
 
 async def respond_with_choices(
     request: Request, req: OpenAIBase, group: HandleGroup, *, cid: str, model: str, objects: tuple[str, str],
-    chunk_fields: Callable[[int, str, str | None], dict[str, Any]],
+    chunk_fields: FieldsOf,
     choice_fields: Callable[[int, GenerateOutput], dict[str, Any]], logprobs_of: LogprobsOf,
 ) -> Any:
     """The response both endpoints build around their choices: an SSE stream of chunks (``objects[0]``)
@@ -145,9 +161,18 @@ async def respond_with_choices(
         return {"id": cid, "object": obj, "created": created, "model": model}
 
     if req.stream:
-        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
-            choice = {"index": i, **chunk_fields(i, text, finish), "logprobs": logprobs, "finish_reason": finish}
-            return {**envelope(objects[0]), "choices": [choice]}
+        def make_chunk(i: int, text: str, finish: str | None, logprobs: Any) -> list[dict[str, Any]]:
+            fields = chunk_fields(i, text, finish)
+            events = fields if isinstance(fields, list) else [fields]
+            chunks = []
+            for k, event in enumerate(events):  # the finish reason and logprobs go with the last
+                last = k == len(events) - 1
+                event = dict(event)
+                reason = event.pop("finish_reason", finish)
+                choice = {"index": i, **event, "logprobs": logprobs if last else None,
+                          "finish_reason": reason if last else None}
+                chunks.append({**envelope(objects[0]), "choices": [choice]})
+            return chunks
 
         usage_chunk = None
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -161,8 +186,11 @@ async def respond_with_choices(
     raise_if_failed(outs)
 
     def render() -> dict[str, Any]:  # logprobs can be large: built off the event loop
-        choices = [{"index": i, **choice_fields(i, out), "logprobs": logprobs_of(out),
-                    "finish_reason": openai_finish_reason(out)} for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            fields = choice_fields(i, out)
+            reason = fields.pop("finish_reason", openai_finish_reason(out))
+            choices.append({"index": i, **fields, "logprobs": logprobs_of(out), "finish_reason": reason})
         return {**envelope(objects[1]), "choices": choices, "usage": usage(outs, req.n)}
 
     return await asyncio.to_thread(render)
@@ -175,6 +203,16 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
                                         "owned_by": "jsgl", "root": state.model_name,
                                         "max_model_len": state.max_context}]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """OpenAI's retrieve-model: the served model's object, 404 (OpenAI's error shape) for another id."""
+    listed = (await models(request))["data"]
+    for obj in listed:
+        if obj["id"] == model_id:
+            return obj
+    raise APIError(f"The model `{model_id}` does not exist", status=404, param="model")
 
 
 def _completion_prompts(req: CompletionRequest) -> list[Any]:
@@ -215,7 +253,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of must equal n (or be left out)", param="best_of")
     prompts = _completion_prompts(req)
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
     check_max_tokens(state, max_tokens)
     params = sampling_params(req, max_tokens)
     if req.logprobs is not None:
