@@ -4,7 +4,8 @@
     serve(EngineConfig(...), host="127.0.0.1", port=30000, api_key=None)   # `jsgl serve`
 
 Endpoints: POST /generate, /tokenize, /v1/completions, /v1/chat/completions, /flush_cache,
-/abort_request; GET /v1/models, /get_model_info, /get_server_info, /health. With an API key every
+/abort_request, /concate_and_append_request; GET /v1/models, /v1/models/{id}, /get_model_info,
+/get_server_info (= /server_info), /health, /health_generate. With an API key every
 endpoint but /health wants `Authorization: Bearer <key>`. Errors are `{"error": {"message", "type",
 "param", "code"}}`: 400 for bad input, 401 for a bad key, 500 when generation itself fails.
 """
