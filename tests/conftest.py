@@ -14,7 +14,8 @@ MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runt
 # Modules that build their own engines, servers or reference models.
 SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test_tensor_parallel",
                           "test_server_launch", "test_model", "test_cpu_kernels", "test_soak", "test_engine",
-                          "test_constrained_engine"})
+                          "test_constrained_engine", "test_openai_tools",
+                          "test_grammar_backend", "test_sglang_client"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

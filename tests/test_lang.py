@@ -6,6 +6,7 @@ happens to answer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -345,3 +346,117 @@ def test_fork_hint_makes_branches_hit_the_cache(rt):
                           add_special_tokens=False).input_ids
     # The hint was sent before the branches started, so each branch reused (almost) the whole prefix.
     assert all(m["cached_tokens"] >= len(prefix) - 1 for m in st.get_meta_info("line"))
+
+
+# SGLang parity: gen(min_tokens / stop_regex / n), concate_and_append and streaming meta, in process and over
+# HTTP (a server in this process on the same engine, reached through jsgl's RuntimeEndpoint).
+
+@pytest.fixture(scope="module")
+def remote(rt):
+    from jsgl.server.launch import ServerThread
+
+    with ServerThread(rt.engine) as srv:
+        endpoint = sgl.RuntimeEndpoint(srv.url)
+        yield endpoint
+        endpoint.close()
+
+
+@pytest.fixture(params=["local", "http"])
+def backend(request, rt):
+    return rt if request.param == "local" else request.getfixturevalue("remote")
+
+
+def _finish_type(meta) -> str:
+    reason = meta["finish_reason"]
+    return reason["type"] if isinstance(reason, dict) else reason  # HTTP: SGLang's {"type": ...}
+
+
+COUNT = "Count: 1, 2, 3,"
+CAPITAL = FEW_SHOT + "Q: What is the capital of Spain?\nA:"
+
+
+@sgl.function
+def sampling_knobs(s):
+    s += COUNT + sgl.gen("upto", stop_regex=r"\d", max_tokens=12)
+    s += "\n" + CAPITAL + sgl.gen("long", min_tokens=6, stop="\n", max_tokens=10)
+    s += "\n" + CAPITAL + sgl.gen("two", n=2, stop="\n", max_tokens=6)
+
+
+def test_gen_min_tokens_stop_regex_n(rt, backend):
+    st = sampling_knobs.run(backend=backend, temperature=0)
+    # stop_regex: the output ends before the first digit, exactly where the engine's own request ends.
+    assert re.search(r"\d", _greedy(rt, COUNT, max_new_tokens=12))  # without it the model writes digits
+    assert st["upto"] == _greedy(rt, COUNT, max_new_tokens=12, stop_regex=r"\d") and not re.search(r"\d", st["upto"])
+    assert _finish_type(st.get_meta_info("upto")) == "stop"
+    # min_tokens: the stop is ignored until 6 tokens exist (the plain answer is shorter).
+    prompt = COUNT + st["upto"] + "\n" + CAPITAL
+    short = rt.engine.generate(prompt, {"temperature": 0, "max_new_tokens": 10, "stop": "\n"})
+    assert short.completion_tokens < 6
+    assert st["long"] == _greedy(rt, prompt, max_new_tokens=10, stop="\n", min_new_tokens=6)
+    assert st.get_meta_info("long")["completion_tokens"] >= 6
+    # n=2: a list of samples (greedy, so both are the greedy answer); the text continues with the first.
+    answer = _greedy(rt, prompt + st["long"] + "\n" + CAPITAL, max_new_tokens=6, stop="\n")
+    assert st["two"] == [answer, answer] and len(st.get_meta_info("two")) == 2
+    assert st.text().endswith(CAPITAL + answer)
+
+
+def test_concatenate_and_append_over_http(rt, remote):
+    @sgl.function
+    def parallel_encoding(s, contexts):
+        s += "Read the statements.\n"
+        forks = s.fork(len(contexts))
+        forks += lambda i: f"Statement {i}: " + contexts[i] + "\n"
+        forks.join(mode="concate_and_append")
+        s += "Question: Who is the father of Julian?\nAnswer:" + sgl.gen("answer", max_tokens=6, stop="\n")
+
+    ctx = ["Ethan is the father of Liam.", "Noah is the father of Julian."]
+    remote_st = parallel_encoding.run(contexts=ctx, backend=remote, temperature=0)
+    local_st = parallel_encoding.run(contexts=ctx, backend=rt, temperature=0)
+    assert remote_st.text() == local_st.text()
+    assert remote_st.text().startswith("Read the statements.\nStatement 0: Ethan is the father of Liam.\n"
+                                       "Statement 1: Noah")
+
+
+def test_streaming_meta_per_chunk(rt, backend):
+    @sgl.function
+    def qa(s, question):
+        s += sgl.user(question)
+        s += sgl.assistant(sgl.gen("answer", max_tokens=12, return_logprob=True))
+
+    async def collect(state):
+        return [item async for item in state.text_async_iter("answer", return_meta_data=True)]
+
+    st = qa.run(question="Say something about the sea.", backend=backend, temperature=0, stream=True)
+    chunks = asyncio.run(collect(st))
+    prev, ids = 0, []
+    for text, meta in chunks:  # SGLang's own checks (its test_programs.py, test_stream_logprobs)
+        assert text and "output_token_logprobs" in meta
+        assert meta["completion_tokens"] == meta["output_token_logprobs_length"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - prev
+        prev = meta["completion_tokens"]
+        ids += [t[1] for t in meta["output_token_logprobs"]]
+    plain = qa.run(question="Say something about the sea.", backend=rt, temperature=0)
+    assert "".join(c for c, _ in chunks) == st["answer"] == plain["answer"]
+    expected = [t[1] for t in plain.get_meta_info("answer")["output_token_logprobs"]]
+    assert ids == expected[:len(ids)] and len(chunks) > 1
+    # After the stream, meta_info holds every token's logprob (the chunks merged).
+    assert [t[1] for t in st.get_meta_info("answer")["output_token_logprobs"]] == expected
+
+
+def test_openai_backend_passes_n_and_extensions(rt, remote):
+    """Through jsgl's /v1: n, min_tokens, stop_regex and repetition_penalty (extra_body) mean what they mean
+    in process."""
+    oai = sgl.OpenAI("smollm2-135m", base_url=remote.base_url + "/v1", api_key="unused", is_chat_model=False,
+                     max_retries=0)
+
+    @sgl.function
+    def prog(s):
+        s += COUNT + sgl.gen("upto", stop_regex=r"\d", max_tokens=8, repetition_penalty=1.3)
+        s += "\n" + CAPITAL + sgl.gen("long", min_tokens=6, stop="\n", max_tokens=8)
+        s += "\n" + CAPITAL + sgl.gen("two", n=2, stop="\n", max_tokens=6)
+
+    via_api = prog.run(backend=oai, temperature=0)
+    local = prog.run(backend=rt, temperature=0)
+    assert via_api.text() == local.text()
+    assert via_api["two"] == local["two"] and len(via_api["two"]) == 2
+    assert oai.usage.api_calls == 3

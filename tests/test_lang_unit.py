@@ -375,3 +375,172 @@ def test_select_temperature_samples_by_scores():
     expected_yes = 1 / (1 + math.exp(-0.8))  # softmax of (-0.1, -0.9)
     assert abs(counts["yes"] / 400 - expected_yes) < 0.08
     assert picks[0].meta_info["sampled_from_scores"][:2] == [-0.1, -0.9]
+
+
+# SGLang parity: gen(min_tokens/stop_regex/n), streaming meta, separate_reasoning, exported names ----------
+
+class SamplingBackend(ScriptedBackend):
+    """Records each gen's resolved parameters; n > 1 answers a list of samples (as the real backends),
+    and streams in chunks whose meta carries their own tokens (one chunk has no text, as a held-back stop)."""
+
+    def __init__(self, reply: str = "ab cd", chunks: list | None = None) -> None:
+        super().__init__()
+        self.reply = reply
+        self.chunks = chunks or [(reply, [1])]  # (text, token ids) per stream chunk
+        self.params: list = []
+
+    def generate(self, s, sampling_params):
+        self.params.append(sampling_params)
+        n = sampling_params.n or 1
+        if n > 1:
+            return [f"{self.reply}#{i}" for i in range(n)], [{"index": i} for i in range(n)]
+        return self.reply, {"completion_tokens": 2}
+
+    def generate_stream(self, s, sampling_params):
+        self.params.append(sampling_params)
+        chunks, total = self.chunks, 0
+        for i, (text, toks) in enumerate(chunks):
+            total += len(toks)
+            time.sleep(0.01)
+            yield text, {"completion_tokens": total, "output_token_logprobs_length": total,
+                         "output_token_logprobs": [(-0.5, t, None) for t in toks],
+                         "finish_reason": "stop" if i == len(chunks) - 1 else None}
+
+
+def test_gen_takes_every_sglang_parameter():
+    import inspect
+
+    from jsgl.lang.function import default_params
+
+    g = sgl.gen("x", max_tokens=9, min_tokens=3, n=2, stop_regex=r"\d+", repetition_penalty=1.2,
+                logit_bias={"5": -1.0}, sampling_seed=7)
+    kw = g.sampling_params.merged_over(default_params(temperature=0.3)).to_engine_kwargs()
+    assert kw["max_new_tokens"] == 9 and kw["min_new_tokens"] == 3 and kw["n"] == 2
+    assert kw["stop_regex"] == r"\d+" and kw["repetition_penalty"] == 1.2 and kw["sampling_seed"] == 7
+    assert kw["temperature"] == 0.3 and kw["logit_bias"] == {"5": -1.0}
+    with pytest.raises(TypeError, match="unknown sampling"):
+        sgl.gen("x", max_new_toknes=3)
+    with pytest.raises(ValueError):
+        sgl.gen("x", n=0)
+    # SGLang's gen() parameters, in SGLang's order (positional calls mean the same).
+    sglang_params = ["name", "max_tokens", "min_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature",
+                     "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos",
+                     "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "dtype",
+                     "choices", "choices_method", "regex", "json_schema"]
+    assert list(inspect.signature(sgl.gen).parameters)[:len(sglang_params)] == sglang_params
+
+
+def test_n_samples_make_a_list_and_the_text_takes_the_first():
+    be = SamplingBackend()
+
+    @sgl.function
+    def prog(s):
+        s += "Q:" + sgl.gen("a", n=3, max_tokens=4) + "|" + sgl.gen("b", max_tokens=4)
+
+    for stream in (False, True):  # n > 1 is generated unstreamed even in a streamed run
+        st = prog.run(backend=be, stream=stream)
+        assert st["a"] == ["ab cd#0", "ab cd#1", "ab cd#2"]
+        assert st.get_meta_info("a") == [{"index": 0}, {"index": 1}, {"index": 2}]
+        assert st.text() == "Q:ab cd#0|ab cd"
+
+
+def test_stream_meta_pairs_each_piece_with_its_tokens():
+    be = SamplingBackend(chunks=[("ab", [1, 2]), ("", [3]), (" cd", [4]), ("", [5])])
+
+    @sgl.function
+    def prog(s):
+        s += "Q:" + sgl.gen("a", max_tokens=8, return_logprob=True)
+
+    async def collect(st):
+        return [item async for item in st.text_async_iter("a", return_meta_data=True)]
+
+    st = prog.run(backend=be, stream=True)
+    chunks = asyncio.run(collect(st))
+    assert "".join(c for c, _ in chunks) == "ab cd"
+    prev = 0
+    for text, meta in chunks:  # SGLang's own invariants (test_programs.py, test_stream_logprobs)
+        assert text
+        assert meta["completion_tokens"] == meta["output_token_logprobs_length"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] - prev
+        prev = meta["completion_tokens"]
+    # The text-less chunk's tokens went with the next piece; the last one (no text) is dropped, as SGLang.
+    assert [len(m["output_token_logprobs"]) for _, m in chunks] == [2, 2]
+    # meta_info holds the whole generation: every chunk's tokens, the last chunk's finish_reason.
+    meta = st.get_meta_info("a")
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == [1, 2, 3, 4, 5] and meta["finish_reason"] == "stop"
+    pairs = list(prog.run(backend=be, stream=True).text_iter("a", return_meta_data=True))
+    assert [p for p, _ in pairs] == [c for c, _ in chunks]
+    # Not streamed: one piece with the whole meta.
+    (piece, meta), = prog.run(backend=be).text_iter("a", return_meta_data=True)
+    assert piece == "ab cd" and meta == {"completion_tokens": 2}
+
+
+def test_separate_reasoning_splits_variable_and_text():
+    from jsgl.lang.reasoning import ReasoningParser
+
+    be = SamplingBackend(reply="<think>\nstep one\n</think>\n\nThe answer.")
+
+    @sgl.function
+    def prog(s):
+        s += sgl.user("Q?")
+        s += sgl.assistant(sgl.separate_reasoning(sgl.gen("a", max_tokens=8), model_type="qwen3"))
+        s += "after=" + s["a"]
+
+    st = prog.run(backend=be)
+    assert st["a"] == "\n\nThe answer." and st["a_reasoning_content"] == "\nstep one\n"
+    assert "<think>" not in st.text() and st.messages()[-1]["content"] == "The answer."
+    compiled = prog.compile(backend=be).run(backend=be)
+    assert compiled.text() == st.text() and compiled["a_reasoning_content"] == st["a_reasoning_content"]
+    streamed = prog.run(backend=be, stream=True)
+    assert streamed["a"] == "\n\nThe answer." and streamed["a_reasoning_content"] == "\nstep one\n"
+    # DeepSeek-R1 reasons without the opening tag; an unfinished block is all reasoning.
+    assert ReasoningParser("deepseek-r1").parse_non_stream("hmm</think>42") == ("hmm", "42")
+    assert ReasoningParser("qwen3").parse_non_stream("no tags") == ("", "no tags")
+    assert ReasoningParser("qwen3").parse_non_stream("<think>cut off") == ("cut off", "")
+    with pytest.raises(ValueError, match="unsupported reasoning parser"):
+        sgl.separate_reasoning(sgl.gen("a"), model_type="gpt-oss")
+    with pytest.raises(ValueError, match="needs model_type"):
+        sgl.separate_reasoning(sgl.gen("a"))
+
+
+def test_openai_backend_maps_extensions_to_extra_body():
+    from jsgl.lang.openai_backend import OpenAI
+
+    args, extra = OpenAI._api_kwargs({"max_new_tokens": 5, "min_new_tokens": 2, "stop_regex": "x", "n": 2,
+                                      "repetition_penalty": 1.1, "logit_bias": {"5": 1.0}, "sampling_seed": 3,
+                                      "top_k": -1, "temperature": 0.0, "ebnf": None})
+    assert args == {"max_tokens": 5, "n": 2, "seed": 3, "logit_bias": {"5": 1.0}, "temperature": 0.0}
+    assert extra == {"min_tokens": 2, "stop_regex": "x", "repetition_penalty": 1.1}  # defaults are not sent
+
+
+def test_every_sglang_frontend_name_is_exported():
+    import jsgl
+
+    sglang_all = ["Anthropic", "Crusoe", "Engine", "LiteLLM", "OpenAI", "Runtime", "RuntimeEndpoint", "ServerArgs",
+                  "VertexAI", "__version__", "assistant", "assistant_begin", "assistant_end", "flush_cache",
+                  "function", "gen", "gen_int", "gen_string", "get_server_info", "global_config",
+                  "greedy_token_selection", "image", "select", "separate_reasoning", "set_default_backend",
+                  "system", "system_begin", "system_end", "token_length_normalized",
+                  "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video"]
+    for name in sglang_all:
+        assert getattr(jsgl, name) is not None, name
+    for name in ("Anthropic", "LiteLLM", "VertexAI", "ServerArgs"):
+        with pytest.raises(sgl.LeftOutError, match="not implemented"):
+            getattr(jsgl, name)("model")
+    with pytest.raises(ValueError, match="CRUSOE_API_KEY"):
+        jsgl.Crusoe("m", api_key="")
+
+
+def test_separate_reasoning_around_a_whole_turn():
+    """SGLang's other spelling, separate_reasoning(assistant(gen)): the split happens after the turn closed,
+    so the text and the turn's message are both rewritten."""
+    be = SamplingBackend(reply="<think>hm</think>Yes.")
+
+    @sgl.function
+    def prog(s):
+        s += sgl.user("Q?")
+        s += sgl.separate_reasoning(sgl.assistant(sgl.gen("a", max_tokens=8)), model_type="qwen3")
+
+    st = prog.run(backend=be)
+    assert st["a"] == "Yes." and st["a_reasoning_content"] == "hm"
+    assert st.text() == "USER: Q?\nASSISTANT: Yes.\n" and st.messages()[-1] == {"role": "assistant", "content": "Yes."}

@@ -8,7 +8,9 @@
     sgl.set_default_backend(sgl.Runtime(model="smollm2-135m"))
     print(qa.run(question="What is 1+1?")["answer"])
 
-Multimodal inputs (`image`, `video`) raise NotImplementedError: jsgl serves text-only models.
+Multimodal inputs (`image`, `video`) raise NotImplementedError: jsgl serves text-only models. Of the
+backend names SGLang exports, `Anthropic`, `LiteLLM`, `VertexAI` and `ServerArgs` exist but raise
+`LeftOutError` saying why (README: "SGLang names jsgl leaves out").
 """
 
 from jsgl.lang.api import (
@@ -22,6 +24,7 @@ from jsgl.lang.api import (
     get_server_info,
     image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -45,6 +48,7 @@ from jsgl.lang.function import SglFunction, function, get_default_backend
 from jsgl.lang.global_config import global_config
 from jsgl.lang.interpreter import ProgramError, StreamExecutor
 from jsgl.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from jsgl.lang.reasoning import ReasoningParser
 from jsgl.lang.runtime_backend import EngineBackend, Runtime
 from jsgl.lang.state import ForkedStates, ProgramState, ProgramStateGroup
 from jsgl.lang.tracer import TracerProgramState
@@ -64,6 +68,7 @@ __all__ = [
     "ProgramError",
     "ProgramState",
     "ProgramStateGroup",
+    "ReasoningParser",
     "Runtime",
     "SglFunction",
     "StreamExecutor",
@@ -84,6 +89,7 @@ __all__ = [
     "greedy_token_selection",
     "image",
     "select",
+    "separate_reasoning",
     "set_default_backend",
     "system",
     "system_begin",
@@ -99,5 +105,7 @@ __all__ = [
 # HTTP backends: a jsgl/SGLang server (/generate) and OpenAI-compatible APIs (with API speculative execution).
 from jsgl.lang.endpoint_backend import RuntimeEndpoint  # noqa: E402
 from jsgl.lang.openai_backend import OpenAI  # noqa: E402
+from jsgl.lang.other_backends import Anthropic, Crusoe, LeftOutError, LiteLLM, ServerArgs, VertexAI  # noqa: E402
 
-__all__ += ["OpenAI", "RuntimeEndpoint"]
+__all__ += ["Anthropic", "Crusoe", "LeftOutError", "LiteLLM", "OpenAI", "RuntimeEndpoint", "ServerArgs",
+            "VertexAI"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from jsgl.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import (
+    GEN_PARAM_NAMES,
     Expr,
     ExprList,
     Gen,
@@ -14,6 +16,7 @@ from jsgl.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     _as_expr,
     check_regex,
     dtype_name,
@@ -62,34 +65,56 @@ def gen(
     choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: str | dict | None = None,
+    **sampling: Any,
 ) -> Expr:
-    """Generate text into variable `name`. Unset parameters inherit run()'s. `dtype` (int, float, bool,
-    str) and `regex`/`json_schema` constrain the output; `choices` turns this into a select()."""
+    """Generate text into variable `name`; SGLang's signature (max_tokens -> max_new_tokens, min_tokens ->
+    min_new_tokens). Unset parameters inherit run()'s. `dtype` (int, float, bool, str) and
+    `regex`/`json_schema` constrain the output; `choices` turns this into a select(). `n` > 1: the variable
+    is the list of n samples and the text continues with the first, as in SGLang. Other keywords are any
+    further sampling parameter of the engine (repetition_penalty, logit_bias, sampling_seed, ebnf, ...)."""
     if choices:
         return Select(name, choices, 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
-    if min_tokens or stop_regex or (n is not None and n != 1):
-        raise NotImplementedError("gen(min_tokens=, stop_regex=, n>1) are not supported by jsgl")
     check_regex(regex)
+    for pattern in [stop_regex] if isinstance(stop_regex, str) else (stop_regex or []):
+        check_regex(pattern, stop=True)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n must be a positive integer, got {n!r}")
     if dtype is not None:
         dtype_name(dtype)
+    unknown = set(sampling) - _EXTRA_PARAMS
+    if unknown:
+        raise TypeError(f"gen() got unknown sampling parameters {sorted(unknown)}")
     return Gen(name, GenParams(
-        max_new_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
-        top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, ignore_eos=ignore_eos, return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids,
+        stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty, ignore_eos=ignore_eos,
+        return_logprob=return_logprob, logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
         return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex, json_schema=json_schema,
+        **sampling,
     ))
 
 
-def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
-    """gen() constrained to an integer (needs the engine's regex-constrained decoding)."""
-    return gen(name, max_tokens, dtype=int, **kwargs)
+# Sampling parameters gen() takes as extra keywords: the engine's that gen() has no named argument for
+# (max_new_tokens/min_new_tokens are spelled max_tokens/min_tokens there, as in SGLang).
+_EXTRA_PARAMS = frozenset(GEN_PARAM_NAMES) - set(inspect.signature(gen).parameters) - {
+    "max_new_tokens", "min_new_tokens"}
 
 
-def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
+def gen_int(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+            stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+            stop_regex: str | list[str] | None = None, **kwargs: Any) -> Expr:
+    """gen() constrained to an integer (SGLang's leading positional parameters; the rest by keyword)."""
+    return gen(name, max_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids, stop_regex=stop_regex,
+               dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, n: int | None = None,
+               stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+               stop_regex: str | list[str] | None = None, **kwargs: Any) -> Expr:
     """gen() constrained to a double-quoted string of word characters and spaces."""
-    return gen(name, max_tokens, dtype=str, **kwargs)
+    return gen(name, max_tokens, n=n, stop=stop, stop_token_ids=stop_token_ids, stop_regex=stop_regex,
+               dtype=str, **kwargs)
 
 
 def select(
@@ -159,3 +184,13 @@ def assistant_begin() -> Expr:
 def assistant_end() -> Expr:
     return RoleEnd("assistant")
 
+
+def separate_reasoning(expr: Expr | None = None, model_type: str | None = None) -> Expr:
+    """Run `expr` (a named gen/select, or a list holding them), then split each of its variables with the
+    reasoning parser `model_type` ("deepseek-r1", "qwen3", ...; see jsgl.lang.reasoning): the variable
+    keeps the answer, `<name>_reasoning_content` gets the reasoning, and the state's text keeps only the
+    answer. In a streamed run the text stays as it was streamed (the variables are still split)."""
+    if expr is None:
+        raise ValueError("separate_reasoning needs the gen()/select() whose output it splits")
+    expr = _as_expr(expr)
+    return ExprList([expr, SeparateReasoning(model_type, expr)])

@@ -51,12 +51,15 @@ class BaseBackend:
 
     # Generation -----------------------------------------------------------------------------------------
 
-    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
-        """Continue `s.text_`; return the new text and its meta info."""
+    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
+        """Continue `s.text_`; return the new text and its meta info. With `n` > 1: a list of n texts and a
+        list of their n metas (the interpreter continues the text with the first)."""
         raise NotImplementedError
 
     def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Like generate, as (text_delta, meta_info) pieces."""
+        """Like generate (n == 1), as (text_delta, meta_info) pieces. Each piece's meta describes that piece
+        only where it has per-token lists (`output_token_logprobs`: its new tokens), plus running counts
+        (`completion_tokens`, `output_token_logprobs_length`); the interpreter merges them."""
         text, meta = self.generate(s, sampling_params)
         yield text, meta
 

@@ -205,7 +205,7 @@ class CompiledFunction:
         if not batch:
             return []
         backend = resolve_backend(backend)
-        if global_config.enable_prefix_hint and len(batch) > 1:
+        if global_config.enable_prefix_hint and global_config.enable_precache_with_tracing and len(batch) > 1:
             cache_program(self.function, backend)
 
         def run_one(kwargs: dict[str, Any]) -> ProgramState:

@@ -70,7 +70,9 @@ class TemplateRenderer:
 
 
 class RuntimeEndpoint(BaseBackend):
-    support_concate_and_append = False  # KV cannot be spliced over HTTP; the radix cache reuses prefixes instead
+    # join(mode="concate_and_append") concatenates text: jsgl's server keeps the joined state exact by
+    # reusing the fork point's prefix from its radix cache (it splices no KV; see /concate_and_append_request).
+    support_concate_and_append = False
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = None,
                  chat_template: ChatTemplate | None = None) -> None:
@@ -123,11 +125,18 @@ class RuntimeEndpoint(BaseBackend):
         return {"text": s.text_, "sampling_params": sampling, **top, "stream": stream,
                 "return_text_in_logprobs": bool(params.return_text_in_logprobs)}
 
-    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
+        """(text, meta); with n > 1 the server answers a list: (list of n texts, list of n metas)."""
         body = self._generate(self._payload(s, sampling_params))
+        if isinstance(body, list):
+            return [b["text"] for b in body], [_meta(b) for b in body]
         return body["text"], _meta(body)
 
     def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(text delta, meta) per SSE event; the server's per-event meta holds that chunk's logprobs and
+        the running counts, which is what the interpreter's stream readers pair with each piece."""
+        if (sampling_params.n or 1) > 1:
+            raise ValueError("n > 1 cannot be streamed; the interpreter generates it without streaming")
         text = ""
         with self.client.stream("POST", "/generate", json=self._payload(s, sampling_params, stream=True)) as resp:
             if resp.status_code != 200:
@@ -144,8 +153,8 @@ class RuntimeEndpoint(BaseBackend):
                     raise EndpointError(event["error"].get("message", str(event["error"])))
                 _raise_if_failed(event)
                 delta, text = event["text"][len(text):], event["text"]  # the server streams cumulative text
-                if delta or event["meta_info"].get("finish_reason") is not None:
-                    yield delta, _meta(event)
+                # Every event: its meta carries that chunk's tokens (logprobs), even with no new text.
+                yield delta, _meta(event)
 
     # Hints ---------------------------------------------------------------------------------------------
     def cache_prefix(self, prefix_str: str) -> None:

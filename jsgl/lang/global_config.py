@@ -26,5 +26,16 @@ class GlobalConfig:
         # 0: quiet; 1: warn on program errors; 2: also print each finished program's text.
         self.verbosity: int = 1
 
+        # SGLang's names. Output text: the engine's skip_special_tokens / spaces_between_special_tokens for
+        # every gen that does not set them.
+        self.skip_special_tokens_in_output: bool = True
+        self.spaces_between_special_tokens_in_out: bool = True
+        # run_batch's prefix hint (the traced constant prefix, sent once); needs enable_prefix_hint too.
+        self.enable_precache_with_tracing: bool = True
+        # join(mode="concate_and_append") through a backend that splices KV (support_concate_and_append).
+        # No jsgl backend does (each concatenates text, and the radix cache reuses the prefix), so it is
+        # read only for a third-party backend that sets the flag.
+        self.enable_parallel_encoding: bool = True
+
 
 global_config = GlobalConfig()

@@ -28,11 +28,28 @@ from jsgl.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     Variable,
     VarScopeBegin,
     VarScopeEnd,
     Video,
+    reasoning_var,
 )
+
+# Meta info keys a stream carries per chunk (that chunk's tokens only); the rest are running values.
+INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def merge_stream_meta(pending: dict[str, Any] | None, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The meta info of two consecutive stream chunks as one chunk: per-token lists concatenated, the
+    rest (counts, finish_reason) from the later chunk. (SGLang's `_merge_stream_meta_info`.)"""
+    if pending is None or meta is None:
+        return meta if pending is None else pending
+    merged = dict(meta)
+    for key in INCREMENTAL_META_KEYS:
+        if key in meta or key in pending:
+            merged[key] = list(pending.get(key) or []) + list(meta.get(key) or [])
+    return merged
 
 
 class ProgramError(RuntimeError):
@@ -74,6 +91,12 @@ class StreamExecutor:
         self.variable_event: dict[Any, threading.Event] = {}
         self.meta_info: dict[Any, Any] = {}
         self._done_vars: set[Any] = set()  # variables that hold a final value (not a failed/partial one)
+        # Streamed gens: per variable, (length of the value after the chunk, that chunk's meta info), so a
+        # reader can pair each piece of text with exactly the tokens (logprobs) that made it.
+        self.stream_log: dict[Any, list[tuple[int, Any]]] = {}
+        # Gens followed by separate_reasoning: their variable is ready once split, not once generated.
+        self._split_pending: set[Any] = set()
+        self._var_lock = threading.Lock()
         self._scope_start: dict[str, int] = {}
         self.inherited_vars: set[Any] = set()  # copied from the parent at fork time (not gathered at join)
         self.cur_role: str | None = None
@@ -175,6 +198,11 @@ class StreamExecutor:
                 self._skip(e)
         elif isinstance(expr, ExecutableNode):
             expr.skip(self)
+        elif isinstance(expr, SeparateReasoning):
+            for name in [*expr.targets, *expr.reasoning_names]:
+                self._split_pending.discard(name)
+                if name in self.variable_event:
+                    self.variable_event[name].set()
         elif isinstance(expr, (Gen, Select, VarScopeBegin, VarScopeEnd)) and expr.name in self.variable_event:
             self.variable_event[expr.name].set()
 
@@ -184,10 +212,23 @@ class StreamExecutor:
                 self._init_var_event(e)
         elif isinstance(expr, (Gen, Select, VarScopeBegin)) and expr.name is not None:
             # A fresh event per definition, so a re-generated name is waited for again.
-            self.variable_event[expr.name] = threading.Event()
-            self._done_vars.discard(expr.name)
-            if self.error_ is not None:
-                self.variable_event[expr.name].set()
+            self._new_var_event(expr.name)
+            self._split_pending.discard(expr.name)
+        elif isinstance(expr, SeparateReasoning):
+            for name in expr.reasoning_names:
+                self._new_var_event(name)
+            with self._var_lock:  # against the worker finishing that gen right now (compiled programs)
+                for name in expr.targets:
+                    # Readers of the gen's variable wait for the split (the raw output would be wrong).
+                    if self.variable_event.get(name) is None or self.variable_event[name].is_set():
+                        self._new_var_event(name)
+                    self._split_pending.add(name)
+
+    def _new_var_event(self, name: Any) -> None:
+        self.variable_event[name] = threading.Event()
+        self._done_vars.discard(name)
+        if self.error_ is not None:
+            self.variable_event[name].set()
 
     # Reading -------------------------------------------------------------------------------------------
 
@@ -315,6 +356,8 @@ class StreamExecutor:
                 self._prefix_hint()
         elif isinstance(expr, ConcatenateAndAppend):
             self._concatenate_and_append(expr)
+        elif isinstance(expr, SeparateReasoning):
+            self._separate_reasoning(expr)
         elif isinstance(expr, ExecutableNode):
             expr.execute(self)
         elif isinstance(expr, (Image, Video)):
@@ -331,25 +374,46 @@ class StreamExecutor:
         self.variables[name] = value
         self.meta_info[name] = meta
         self._done_vars.add(name)
-        self.variable_event.setdefault(name, threading.Event()).set()
+        with self._var_lock:
+            if name not in self._split_pending:  # else separate_reasoning releases it once split
+                self.variable_event.setdefault(name, threading.Event()).set()
+
+    def resolve_params(self, params: GenParams) -> GenParams:
+        """gen()'s parameters over run()'s, then the process-wide output settings where neither set them."""
+        out = params.merged_over(self.default_sampling_para)
+        if out.skip_special_tokens is None and not global_config.skip_special_tokens_in_output:
+            out.skip_special_tokens = False
+        if out.spaces_between_special_tokens is None and not global_config.spaces_between_special_tokens_in_out:
+            out.spaces_between_special_tokens = False
+        return out
 
     def _execute_gen(self, expr: Gen) -> None:
-        params = expr.sampling_params.merged_over(self.default_sampling_para)
+        params = self.resolve_params(expr.sampling_params)
         name = expr.name
-        if not self.stream:
+        # n > 1 is not streamed (SGLang cannot either): the samples arrive together, as a list.
+        if not self.stream or (params.n or 1) > 1:
             comp, meta = self.backend.generate(self, params)
-            self.text_ += comp
+            # n > 1: the variable holds every sample, the text goes on with the first (as SGLang).
+            self.text_ += comp[0] if isinstance(comp, list) else comp
             self._set_final(name, comp, meta)
             return
-        value, meta = "", None
+        value, merged = "", None
+        log: list[tuple[int, Any]] = []
+        if name is not None:
+            with self._cond:
+                self.stream_log[name] = log
         for delta, meta in self.backend.generate_stream(self, params):
-            self.text_ += delta
-            value += delta
-            if name is not None:
-                self.variables[name] = value
-                self.meta_info[name] = meta
-            self._notify()
-        self._set_final(name, value, meta)
+            with self._cond:  # readers see text, value and log change together
+                self.text_ += delta
+                value += delta
+                # meta_info holds the whole generation so far; each log entry only its own chunk.
+                merged = merge_stream_meta(merged, meta)
+                if name is not None:
+                    self.variables[name] = value
+                    self.meta_info[name] = merged
+                    log.append((len(value), meta))
+                self._cond.notify_all()
+        self._set_final(name, value, merged)
 
     def _execute_select(self, expr: Select) -> None:
         decision = self.backend.select(self, expr.choices, expr.temperature, expr.choices_method)
@@ -378,7 +442,55 @@ class StreamExecutor:
         self.cur_role = None
 
     def _concatenate_and_append(self, expr: ConcatenateAndAppend) -> None:
+        if global_config.enable_parallel_encoding and self.backend.support_concate_and_append:
+            # A backend that splices the branches' KV onto this state's (SGLang's parallel encoding):
+            # compute each branch's text, then let the backend join them.
+            for child in expr.states:
+                child.sync()
+                if child.error_ is None:
+                    self.backend.commit_lazy_operations(child)
+            self.append_branches(expr.states)
+            self.backend.concatenate_and_append([c.sid for c in expr.states], self.sid)
+            return
+        # Otherwise (every jsgl backend): text concatenation, as SGLang does for such backends. The joined
+        # state stays exact: the next request reuses the fork point's prefix from the radix cache and
+        # computes the branches' text after it.
         self.append_branches(expr.states)
+
+    def _separate_reasoning(self, expr: SeparateReasoning) -> None:
+        for name in expr.targets:
+            raw = self.variables.get(name)
+            self._split_pending.discard(name)
+            if isinstance(raw, list):  # n > 1: each sample is split; the text holds the first
+                parts = [expr.parser.parse_non_stream(str(r)) for r in raw]
+                reasoning: Any = [p[0] for p in parts]
+                answer: Any = [p[1] for p in parts]
+                raw_text, answer_text = (str(raw[0]), parts[0][1]) if raw else ("", "")
+            else:
+                raw_text = "" if raw is None else str(raw)
+                reasoning, answer = expr.parser.parse_non_stream(raw_text)
+                answer_text = answer
+            if not self.stream:  # a streamed text was already read as it came; it stays as it was
+                self._replace_output(raw_text, answer_text)
+            self.variables[name] = answer
+            self._done_vars.add(name)
+            self._set_final(reasoning_var(name), reasoning, None)
+            self.variable_event.setdefault(name, threading.Event()).set()
+
+    def _replace_output(self, raw: str, answer: str) -> None:
+        """Put `answer` where the gen's raw output is: the end of the text, or (when a role was closed
+        after the gen) its last occurrence, and the same in the last message."""
+        if not raw or raw == answer:
+            return
+        at = self.text_.rfind(raw)
+        if at < 0:
+            return
+        closed_after = at + len(raw) < len(self.text_)  # separate_reasoning(assistant(gen(...)))
+        self.text_ = self.text_[:at] + answer + self.text_[at + len(raw):]
+        if closed_after and self.messages_ and raw.strip() and self.messages_[-1]["content"].endswith(raw.strip()):
+            last = self.messages_[-1]
+            content = last["content"][: len(last["content"]) - len(raw.strip())] + answer.strip()
+            self.messages_[-1] = {**last, "content": content.lstrip()}
 
     def append_branches(self, children: list[StreamExecutor], wait: bool = True) -> None:
         """Join mode concate_and_append: the text each branch added after the fork, in branch order."""

@@ -256,6 +256,44 @@ class ConcatenateAndAppend(Expr):
         self.states = states
 
 
+class SeparateReasoning(Expr):
+    """After `expr` (a gen/select, or a list of them) ran: split each of its variables into the answer
+    (the variable) and the reasoning (`<name>_reasoning_content`), with the parser `model_type`."""
+
+    def __init__(self, model_type: str | None, expr: Expr) -> None:
+        super().__init__()
+        from jsgl.lang.reasoning import ReasoningParser
+
+        self.model_type = model_type
+        self.parser = ReasoningParser(model_type)  # an unknown name fails at the call, not mid-program
+        self.expr = expr
+        self.targets = _named_outputs(expr)  # the variables it splits
+        if not self.targets:
+            raise ValueError("separate_reasoning needs a named gen() or select() (its variable is split)")
+        self.name = reasoning_var(self.targets[-1])  # as SGLang: the last one's reasoning variable
+
+    @property
+    def reasoning_names(self) -> list[str]:
+        return [reasoning_var(t) for t in self.targets]
+
+    def __repr__(self) -> str:
+        return f"SeparateReasoning(model_type={self.model_type!r}, targets={self.targets})"
+
+
+def reasoning_var(name: str) -> str:
+    return f"{name}_reasoning_content"
+
+
+def _named_outputs(expr: Expr) -> list[str]:
+    if isinstance(expr, (Gen, Select)):
+        if not expr.name:
+            raise ValueError("separate_reasoning needs the gen()/select() to have a name")
+        return [expr.name]
+    if isinstance(expr, ExprList):
+        return [name for e in expr.expr_list for name in _named_outputs(e)]
+    return []
+
+
 class CommitLazy(Expr):
     """Send the text so far to the backend (a max_new_tokens=0 request): the prefix hint before a fork."""
 
@@ -273,6 +311,13 @@ class Video(Expr):
         self.num_frames = num_frames
 
 
-def check_regex(regex: str | None) -> None:
+def check_regex(regex: str | None, stop: bool = False) -> None:
+    """Fail at the gen() call, where the user can see which one. Stop regexes are searched with the
+    `regex` module (as the engine does), which accepts a superset of `re`."""
     if regex is not None:
-        re.compile(regex)  # fail at the gen() call, where the user can see which one
+        if stop:
+            import regex as regex_module
+
+            regex_module.compile(regex)
+        else:
+            re.compile(regex)

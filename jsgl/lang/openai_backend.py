@@ -28,6 +28,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from jsgl.engine.sampling_params import SamplingParams
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import ChatTemplate
 from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, mean_logprob
@@ -37,7 +38,18 @@ if TYPE_CHECKING:
     from jsgl.lang.interpreter import StreamExecutor
 
 _SIGNATURE_KEYS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                   "ignore_eos", "stop_token_ids")
+                   "repetition_penalty", "logit_bias", "sampling_seed", "ignore_eos", "stop_token_ids",
+                   "min_new_tokens", "stop_regex")
+# Sampling parameters OpenAI's API itself has, under the same name.
+_OPENAI_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+# Handled apart: OpenAI fields under other names (max_tokens, n, seed, logit_bias, stop), the logprob fields
+# (the backend asks for what it needs), and SamplingParams fields no /v1 server takes.
+_NOT_EXTENSIONS = {"max_new_tokens", "stop", "n", "sampling_seed", "logit_bias", *_OPENAI_FIELDS,
+                   "return_logprob", "logprob_start_len", "top_logprobs_num", "stream_interval"}
+# Every other SamplingParams field is an SGLang extension of /v1 (extra_body), with its default.
+_EXTENSION_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else None)
+                       for f in dataclasses.fields(SamplingParams) if f.name not in _NOT_EXTENSIONS}
+_EXTENSION_NAMES = {"min_new_tokens": "min_tokens"}  # SGLang's /v1 spelling
 
 
 @dataclasses.dataclass
@@ -137,19 +149,25 @@ class OpenAI(BaseBackend):
 
     @staticmethod
     def _api_kwargs(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """OpenAI keyword arguments and `extra_body` (fields only OpenAI-compatible servers know; sent
-        only when set away from their defaults, so the real OpenAI API never sees them)."""
+        """OpenAI keyword arguments and `extra_body`: every other sampling parameter, under the name
+        SGLang's (and jsgl's) /v1 gives it (min_new_tokens -> min_tokens), sent only when set away from
+        its default, so the real OpenAI API never sees them."""
         args: dict[str, Any] = {"max_tokens": kw["max_new_tokens"]}
         if kw.get("stop"):
             args["stop"] = kw["stop"]
-        for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        for name in _OPENAI_FIELDS:
             if name in kw:
                 args[name] = kw[name]
+        if kw.get("n", 1) != 1:
+            args["n"] = kw["n"]
+        if kw.get("sampling_seed") is not None:
+            args["seed"] = kw["sampling_seed"]
+        if kw.get("logit_bias"):
+            args["logit_bias"] = kw["logit_bias"]
         extra: dict[str, Any] = {}
-        for name, default in (("top_k", -1), ("min_p", 0.0), ("ignore_eos", False), ("stop_token_ids", None),
-                              ("regex", None), ("json_schema", None)):
-            if kw.get(name, default) != default:
-                extra[name] = kw[name]
+        for name, default in _EXTENSION_DEFAULTS.items():
+            if name in kw and kw[name] != default and not (default is None and not kw[name]):
+                extra[_EXTENSION_NAMES.get(name, name)] = kw[name]
         return args, extra
 
     def _call(self, prompt: str | list[dict[str, Any]], kw: dict[str, Any], with_tokens: bool = False,
@@ -185,12 +203,35 @@ class OpenAI(BaseBackend):
                 "completion_tokens": resp.usage.completion_tokens if resp.usage else None}
         return text, pieces, choice.finish_reason, meta
 
+    def _call_n(self, prompt: str | list[dict[str, Any]], kw: dict[str, Any],
+                continue_final: bool = False) -> tuple[list[str], list[dict[str, Any]]]:
+        """One call for n > 1 samples: their texts and metas, in choice order."""
+        args, extra = self._api_kwargs(kw)
+        if continue_final:
+            extra["continue_final_message"] = True
+        if self.is_chat_model:
+            if "json_schema" in extra:
+                schema = extra.pop("json_schema")
+                schema = json.loads(schema) if isinstance(schema, str) else schema
+                args["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+            resp = self.client.chat.completions.create(model=self.model_name, messages=prompt, extra_body=extra or None,
+                                                       **args)
+            texts = {c.index: c.message.content or "" for c in resp.choices}
+        else:
+            resp = self.client.completions.create(model=self.model_name, prompt=prompt, extra_body=extra or None,
+                                                  **args)
+            texts = {c.index: c.text for c in resp.choices}
+        self._count(resp)
+        reasons = {c.index: c.finish_reason for c in resp.choices}
+        order = sorted(texts)
+        return [texts[i] for i in order], [{"id": resp.id, "index": i, "finish_reason": reasons[i]} for i in order]
+
     # Generation ----------------------------------------------------------------------------------------
     def _spec_tokens(self, s: StreamExecutor) -> int | None:
         n = getattr(s, "num_api_spec_tokens", None)
         return n if n is not None else self.num_api_spec_tokens
 
-    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
+    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
         kw = sampling_params.to_engine_kwargs()
         num_spec = self._spec_tokens(s)
         # Constrained gens are not speculated: their grammar, not the template, decides where they end.
@@ -200,7 +241,8 @@ class OpenAI(BaseBackend):
             prompt: Any = messages
         else:
             prompt, anchor, done = s.text_, s.text_, ""
-        if num_spec and not constrained:
+        n = kw.get("n", 1)
+        if num_spec and not constrained and n == 1:  # n samples cannot share one speculation
             served = self._serve(s, anchor, done, kw)
             if served is not None:
                 return served
@@ -222,6 +264,8 @@ class OpenAI(BaseBackend):
                     "assistant(), use @function(num_api_spec_tokens=...) so the turn comes from one call, or "
                     "continue_final_message=True with a server that supports it (jsgl's /v1)")
             prompt = messages + [{"role": "assistant", "content": done}]
+        if n > 1:  # the variable becomes the list of samples (the interpreter continues with the first)
+            return self._call_n(prompt, kw, continue_final=bool(done))
         text, _, _, meta = self._call(prompt, kw, continue_final=bool(done))
         return text, meta
 

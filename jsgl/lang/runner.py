@@ -160,7 +160,7 @@ def run_program_batch(
     if not batch:
         return []
     backend = resolve_backend(backend)
-    if global_config.enable_prefix_hint and len(batch) > 1:
+    if global_config.enable_prefix_hint and global_config.enable_precache_with_tracing and len(batch) > 1:
         cache_program(program, backend)
 
     def run_one(kwargs: dict[str, Any]) -> ProgramState:

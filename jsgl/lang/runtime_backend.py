@@ -69,18 +69,37 @@ class EngineBackend(BaseBackend):
                 meta["output_top_logprobs"] = out.output_top_logprobs
         return meta
 
-    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
-        out = self._result(s.text_, sampling_params.to_engine_kwargs())
+    def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
+        """(text, meta); with n > 1, (list of n texts, list of n metas)."""
+        kwargs = sampling_params.to_engine_kwargs()
+        if kwargs.get("n", 1) > 1:  # Engine.generate expands n into n requests, batched together
+            outs = [self._check(o) for o in self.engine.generate(s.text_, kwargs)]
+            return [o.text for o in outs], [self._meta(o, sampling_params) for o in outs]
+        out = self._result(s.text_, kwargs)
         return out.text, self._meta(out, sampling_params)
 
     def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
-        handle = self.engine.submit(s.text_, sampling_params.to_engine_kwargs())
-        meta: dict[str, Any] = {"id": handle.request_id}
+        """(text delta, meta) per engine chunk. Each meta carries that chunk's tokens only, as a streamed
+        /generate does: `output_token_logprobs` of the new tokens, the running `completion_tokens` and
+        `output_token_logprobs_length`; the last adds the request's final meta (and prompt logprobs)."""
+        kwargs = sampling_params.to_engine_kwargs()
+        if kwargs.get("n", 1) > 1:
+            raise ValueError("n > 1 cannot be streamed; the interpreter generates it without streaming")
+        handle = self.engine.submit(s.text_, kwargs)
+        with_text = bool(sampling_params.return_text_in_logprobs)
         for chunk in handle.stream():
             if chunk.output is not None:
                 meta = self._meta(self._check(chunk.output), sampling_params)
-            if chunk.text_delta or chunk.finished:
-                yield chunk.text_delta, meta
+            else:
+                meta = {"id": chunk.request_id, "finish_reason": None, "completion_tokens": len(chunk.token_ids)}
+            if sampling_params.return_logprob:
+                new_ids = chunk.token_ids[chunk.first_new_token:]
+                meta["output_token_logprobs"] = [(lp, t, self._token_text(t, with_text))
+                                                 for lp, t in zip(chunk.output_logprobs or [], new_ids)]
+                meta["output_token_logprobs_length"] = len(chunk.token_ids)
+                if chunk.output_top_logprobs is not None:
+                    meta["output_top_logprobs"] = chunk.output_top_logprobs
+            yield chunk.text_delta, meta
 
     # Hints ---------------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from jsgl.lang.interpreter import StreamExecutor
+from jsgl.lang.interpreter import StreamExecutor, merge_stream_meta
 from jsgl.lang.ir import ConcatenateAndAppend, Expr, ExprList, RoleBegin, RoleEnd, VarScopeBegin, VarScopeEnd
 
 _DONE = object()
@@ -132,23 +132,41 @@ class ProgramState:
 
     # Streaming -----------------------------------------------------------------------------------------
 
-    def text_iter(self, var_name: Any = None) -> Iterator[str]:
-        """Yield the text (or one variable) as it is produced; one piece if the program was not streamed."""
+    def text_iter(self, var_name: Any = None, return_meta_data: bool = False) -> Iterator[Any]:
+        """Yield the text (or one variable) as it is produced; one piece if the program was not streamed.
+        `return_meta_data`: yield (piece, meta_info) pairs instead, where a streamed gen's meta info covers
+        exactly the tokens of that piece (`output_token_logprobs` of those tokens, plus the running
+        `completion_tokens` and `output_token_logprobs_length`), as SGLang's text_async_iter gives them."""
+        for piece, meta in self._pieces(var_name):
+            yield (piece, meta) if return_meta_data else piece
+
+    def _pieces(self, var_name: Any) -> Iterator[tuple[str, Any]]:
         exe = self.stream_executor
         if not exe.stream:
-            yield self.text() if var_name is None else self.get_var(var_name)
+            if var_name is None:
+                yield self.text(), None
+            else:
+                yield self.get_var(var_name), exe.get_meta_info(var_name)
             return
-        pos = 0
+        pos, seen, pending = 0, 0, None  # text yielded, log entries consumed, meta of text-less chunks
         while True:
             with exe._cond:
-                exe._cond.wait_for(lambda p=pos: self._stream_ready(var_name, p), timeout=1.0)
+                exe._cond.wait_for(lambda p=pos, n=seen: self._stream_ready(var_name, p, n), timeout=1.0)
                 current, done = self._stream_view(var_name)
+                log = exe.stream_log.get(var_name, []) if var_name is not None else []
+                new_entries = log[seen:]
+                seen = len(log)
             piece = current[pos:]
             pos += len(piece)
+            for _, meta in new_entries:
+                pending = merge_stream_meta(pending, meta)
             if piece:
-                yield piece
+                meta, pending = pending, None
+                if meta is None and var_name is not None:
+                    meta = exe.meta_info.get(var_name)  # not a streamed gen (select, var_scope)
+                yield piece, meta
             if done and pos >= len(current):
-                return
+                return  # meta of chunks with no text after the last piece is dropped, as SGLang does
 
     def _stream_view(self, var_name: Any) -> tuple[str, bool]:
         exe = self.stream_executor
@@ -157,24 +175,24 @@ class ProgramState:
         value = exe.variables.get(var_name, "")
         event = exe.variable_event.get(var_name)
         done = exe.is_finished or (event is not None and event.is_set())
+        if isinstance(value, list):  # n > 1: the samples arrive at once; the text shows the first
+            value = value[0] if value else ""
         return (value if isinstance(value, str) else str(value)), done
 
-    def _stream_ready(self, var_name: Any, pos: int) -> bool:
+    def _stream_ready(self, var_name: Any, pos: int, seen: int) -> bool:
         current, done = self._stream_view(var_name)
-        return done or len(current) > pos
+        log = self.stream_executor.stream_log.get(var_name, []) if var_name is not None else []
+        return done or len(current) > pos or len(log) > seen
 
     async def text_async_iter(self, var_name: Any = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
         """Async version of text_iter; with return_meta_data, yields (piece, meta_info) pairs."""
         loop = asyncio.get_running_loop()
-        it = self.text_iter(var_name)
+        it = self.text_iter(var_name, return_meta_data)
         while True:
-            piece = await loop.run_in_executor(None, next, it, _DONE)
-            if piece is _DONE:
+            item = await loop.run_in_executor(None, next, it, _DONE)
+            if item is _DONE:
                 return
-            if return_meta_data:
-                yield piece, self.stream_executor.meta_info.get(var_name)
-            else:
-                yield piece
+            yield item
 
 
 def _expr(value: Expr | str) -> Expr:

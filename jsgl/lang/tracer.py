@@ -24,6 +24,7 @@ from jsgl.lang.ir import (
     RoleBegin,
     RoleEnd,
     Select,
+    SeparateReasoning,
     Variable,
     VarScopeEnd,
     _as_expr,
@@ -88,6 +89,10 @@ class TracerProgramState(ProgramState):
         elif isinstance(expr, VarScopeEnd):
             self._append(expr)
             self.variables[expr.name] = expr
+        elif isinstance(expr, SeparateReasoning):
+            self._append(expr)  # the split variables are defined (final) by this node
+            for name in [*expr.targets, *expr.reasoning_names]:
+                self.variables[name] = expr
         elif isinstance(expr, RoleBegin):
             default_system = self.chat_template.default_system_prompt
             if not self.messages_ and expr.role != "system" and default_system:
