@@ -11,14 +11,13 @@ from __future__ import annotations
 import heapq
 import inspect
 import threading
-from collections.abc import Iterator
 from typing import Any
 
-from jsgl.lang.function import split_sampling_kwargs
+from jsgl.lang.function import SglFunction, split_sampling_kwargs
 from jsgl.lang.global_config import global_config
 from jsgl.lang.interpreter import ExecutableNode, StreamExecutor
 from jsgl.lang.ir import Argument, ConstantText, Expr, Fork, GenParams, GetForkItem, Join, Variable
-from jsgl.lang.runner import cache_program, normalize_batch, num_workers, resolve_backend, run_batch_with
+from jsgl.lang.runner import resolve_backend
 from jsgl.lang.state import ProgramState
 
 
@@ -188,32 +187,15 @@ class CompiledFunction:
         params, kwargs = split_sampling_kwargs(kwargs)
         return self.run_internal(resolve_backend(backend), kwargs, params)
 
-    def run_batch(
-        self,
-        batch_kwargs: list[dict[str, Any]] | list[tuple],
-        *,
-        backend: Any = None,
-        num_threads: int | str = "auto",
-        progress_bar: bool = False,
-        generator_style: bool = False,
-        **sampling: Any,
-    ) -> list[ProgramState] | Iterator[ProgramState]:
-        params, rest = split_sampling_kwargs(dict(sampling))
-        if rest:
-            raise TypeError(f"unexpected keywords for run_batch: {sorted(rest)}")
-        batch = normalize_batch(self.function, batch_kwargs)
-        if not batch:
-            return []
-        backend = resolve_backend(backend)
-        if global_config.enable_prefix_hint and global_config.enable_precache_with_tracing and len(batch) > 1:
-            cache_program(self.function, backend)
+    run_batch = SglFunction.run_batch  # one signature: SglFunction's, over this graph (_batch_runner)
 
-        def run_one(kwargs: dict[str, Any]) -> ProgramState:
+    def _batch_runner(self) -> tuple[Any, Any]:
+        def run_one(backend: Any, kwargs: dict[str, Any], params: GenParams) -> ProgramState:
             state = self.run_internal(backend, kwargs, params)
             state.sync()
             return state
 
-        return run_batch_with(run_one, batch, num_workers(num_threads, len(batch)), progress_bar, generator_style)
+        return self.function, run_one
 
 
 def compile_func(function: Any, backend: Any = None) -> CompiledFunction:

@@ -70,13 +70,20 @@ class SglFunction:
         generator_style: bool = False,
         **sampling: Any,
     ) -> list[Any] | Iterator[Any]:
-        """Run once per input, concurrently (each input's errors stay in its own state)."""
+        """Run once per input, concurrently (each input's errors stay in its own state). A compiled
+        program (`.compile()`) has this same method, running its graph instead of the Python body."""
         from jsgl.lang.runner import run_program_batch
 
         params, rest = split_sampling_kwargs(dict(sampling))
         if rest:
             raise TypeError(f"unexpected keywords for run_batch: {sorted(rest)}")
-        return run_program_batch(self, backend, batch_kwargs, params, num_threads, progress_bar, generator_style)
+        program, run_one = self._batch_runner()
+        return run_program_batch(program, backend, batch_kwargs, params, num_threads, progress_bar, generator_style,
+                                 run_one)
+
+    def _batch_runner(self) -> tuple[SglFunction, Any]:
+        """(the function whose arguments a batch binds, how to run one input; None: the interpreter)."""
+        return self, None
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Any:
         """Build the IR graph without running the model; unbound arguments become placeholders."""

@@ -154,16 +154,19 @@ def run_program_batch(
     num_threads: int | str = "auto",
     progress_bar: bool = False,
     generator_style: bool = False,
+    run_one: Callable[[Any, dict[str, Any], GenParams], ProgramState] | None = None,
 ) -> list[ProgramState] | Iterator[ProgramState]:
-    """Run the program once per input. A failing input fails only its own state (see `state.error()`)."""
+    """Run the program once per input. A failing input fails only its own state (see `state.error()`).
+    ``run_one(backend, kwargs, params)`` runs one input to completion (default: the interpreter)."""
     batch = normalize_batch(program, batch)
     if not batch:
         return []
     backend = resolve_backend(backend)
     if global_config.enable_prefix_hint and global_config.enable_precache_with_tracing and len(batch) > 1:
         cache_program(program, backend)
+    if run_one is None:
+        def run_one(backend: Any, kwargs: dict[str, Any], params: GenParams) -> ProgramState:
+            return run_program(program, backend, (), kwargs, params, sync=True, catch_errors=True)
 
-    def run_one(kwargs: dict[str, Any]) -> ProgramState:
-        return run_program(program, backend, (), kwargs, default_params, sync=True, catch_errors=True)
-
-    return run_batch_with(run_one, batch, num_workers(num_threads, len(batch)), progress_bar, generator_style)
+    return run_batch_with(lambda kwargs: run_one(backend, kwargs, default_params), batch,
+                          num_workers(num_threads, len(batch)), progress_bar, generator_style)
