@@ -10,6 +10,9 @@ Typical engine use:
     release_index(fut)                                # when the request ends: cancels a build nobody awaits
 
 Builds are bounded by a BuildBudget (budget.py; DEFAULT_BUDGET unless one is passed).
+
+The engine reaches all this through a GrammarBackend (grammar_backend.py): `make_grammar_backend("jsgl" |
+"llguidance", tokenizer, vocab_size)`; llguidance (llguidance_backend.py) is imported only when chosen.
 """
 
 from jsgl.fsm.budget import DEFAULT_BUDGET, BuildBudget
@@ -23,6 +26,15 @@ from jsgl.fsm.cache import (
     start_build_workers,
 )
 from jsgl.fsm.constraint import RegexConstraint
+from jsgl.fsm.grammar_backend import (
+    GRAMMAR_FIELDS,
+    ForcedTail,
+    GrammarBackend,
+    GrammarSpec,
+    JsglGrammarBackend,
+    grammar_spec,
+    make_grammar_backend,
+)
 from jsgl.fsm.json_schema import DTYPE_REGEX, json_schema_to_regex, regex_for_dtype
 from jsgl.fsm.jump_forward import jump_forward_string, jump_forward_table, jump_target
 from jsgl.fsm.regex_fsm import DEAD, CharFSM, compile_regex, validate_regex
@@ -33,8 +45,13 @@ __all__ = [
     "DEAD",
     "DEFAULT_BUDGET",
     "DTYPE_REGEX",
+    "GRAMMAR_FIELDS",
     "BuildBudget",
     "CharFSM",
+    "ForcedTail",
+    "GrammarBackend",
+    "GrammarSpec",
+    "JsglGrammarBackend",
     "RegexConstraint",
     "TokenIndex",
     "VocabBytes",
@@ -45,10 +62,12 @@ __all__ = [
     "evict_disk_cache",
     "get_index",
     "get_index_async",
+    "grammar_spec",
     "json_schema_to_regex",
     "jump_forward_string",
     "jump_forward_table",
     "jump_target",
+    "make_grammar_backend",
     "regex_for_dtype",
     "release_index",
     "start_build_workers",
