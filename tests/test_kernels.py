@@ -176,8 +176,8 @@ def test_backend_registered_and_dispatches():
 
 def _triton_modules(fn, *args):
     """Lower ``fn`` for CUDA on this (GPU-less) machine and return the Triton IR modules it embeds."""
-    tl = pytest.importorskip("jax._src.pallas.triton.lowering")
     from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering as tl  # private, but jax is pinned: breakage must fail
 
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     calls = []
@@ -233,3 +233,71 @@ def test_native_decode_path_equals_general_path(num_q_heads, num_kv_heads):
     fast, slow = reference(q, k, v, meta), reference(q, k, v, general)
     live = np.asarray(meta.q_start)[np.asarray(meta.q_len) > 0]
     assert_close(fast[live], slow[live], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- sliding window
+
+
+def dense_window_reference(q, k_pool, v_pool, meta, window):
+    """Query by query in numpy: keys ``j <= pos``, ``j < kv_len`` and ``pos - j < window`` (transformers'
+    ``kv_idx > q_idx - sliding_window``); rows no request covers are zeros."""
+    q, k_pool, v_pool = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool))
+    group = q.shape[1] // k_pool.shape[0]
+    out = np.zeros_like(q)
+    for b in range(len(meta.q_len)):
+        start, kv_len = int(meta.q_start[b]), int(meta.kv_lens[b])
+        for t in range(start, start + int(meta.q_len[b])):
+            pos = int(meta.positions[t])
+            keys = [j for j in range(kv_len) if j <= pos and pos - j < window]
+            slots = np.asarray(meta.block_table[b])[keys]
+            for h in range(q.shape[1]):
+                scores = k_pool[h // group, slots] @ q[t, h] * SCALE
+                p = np.exp(scores - scores.max())
+                out[t, h] = p @ v_pool[h // group, slots] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window_native_decode_and_extend(window):
+    # Decode and extend (with a cached prefix longer than the window) against the dense loop.
+    for q_lens, kv_lens in (([1, 1, 0, 1], [30, 3, 0, 17]), ([6, 1, 0, 9], [30, 3, 0, 13])):
+        q, k, v, meta = make_case(window, 6, 2, kv_lens, q_lens, extra_tokens=2)
+        meta = dataclasses.replace(meta, sliding_window=window)
+        out = reference(q, k, v, meta)
+        live = np.concatenate([np.arange(s, s + n) for s, n in zip(np.asarray(meta.q_start), q_lens) if n])
+        np.testing.assert_allclose(np.asarray(out)[live], dense_window_reference(q, k, v, meta, window)[live],
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [3, 8, 20])
+def test_sliding_window_pallas_decode(window):
+    # Windows inside one KV block, spanning blocks, and longer than some requests; split-K over the window.
+    q, k, v, meta = make_case(window + 1, 9, 3, [1, 5, 37, 0, 19], [1, 1, 1, 0, 1], width=40, extra_tokens=1)
+    meta = dataclasses.replace(meta, sliding_window=window)
+    ref = reference(q, k, v, meta)
+    for num_splits in (1, 3):
+        assert_close(run(paged_decode_attention, q, k, v, meta, block_k=8, num_splits=num_splits), ref)
+
+
+@pytest.mark.parametrize("window", [2, 7, 30])
+def test_sliding_window_pallas_extend(window):
+    # Query tiles whose first rows' windows start in different KV blocks; a prefix longer than the window.
+    q_lens, prefixes = [9, 1, 0, 12], [20, 4, 0, 0]
+    kv_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    q, k, v, meta = make_case(window + 2, 6, 2, kv_lens, q_lens, gap=1, extra_tokens=2)
+    meta = dataclasses.replace(meta, sliding_window=window)
+    assert_close(run(paged_extend_attention, q, k, v, meta, block_q=4, block_k=8), reference(q, k, v, meta))
+
+
+def test_windowed_kernels_lower_to_triton_ir():
+    # The window's extra mask and loop bounds stay inside the compiled (non-interpret) kernels.
+    batch, width = 2, 256
+    k = jax.ShapeDtypeStruct((8, 1024, 128), jnp.float32)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    for max_q_len in (1, 32):
+        tokens = batch * max_q_len
+        meta = AttentionMetadata(i32(tokens), i32(batch), i32(batch), i32(batch, width), i32(batch),
+                                 max_q_len=max_q_len, sliding_window=100)
+        fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
+        modules = _triton_modules(fn, jax.ShapeDtypeStruct((tokens, 32, 128), jnp.float32), k, k, meta)
+        assert len(modules) == 1 and "tt.dot" in modules[0]

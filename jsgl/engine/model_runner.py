@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from typing import Any
 
@@ -24,6 +25,8 @@ from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
 from jsgl.model.sharding import TensorParallel
 from jsgl.paths import cache_dir
+
+log = logging.getLogger("jsgl.engine.model_runner")
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -97,6 +100,11 @@ class ModelRunner:
         self.matmul_backend = cpu_kernels.resolve_matmul_backend(matmul_backend, tp)
         if self.attention_backend == "cpu" and not cpu_kernels.available():
             raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
+        if self.attention_backend == "cpu" and config.layer_windows:
+            # Not silent: the windowed layers' attention is the native path's (the kernels do not mask one).
+            log.info("attention: the CPU kernels have no sliding window; layers %s (window %d) attend through "
+                     "the native path", [i for i, w in enumerate(config.layer_windows) if w],
+                     max(config.layer_windows))
         self.max_context = max_context or config.max_position_embeddings
         self.num_slots = num_slots
         # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed

@@ -4,7 +4,9 @@ The model writes the new tokens' K/V into the pool first, then calls ``paged_att
 attends to its request's slots ``block_table[b, :kv_lens[b]]`` up to (and including) its own position.
 Because ``block_table[b, j]`` holds the slot of position ``j``, "causal over the new tokens" and "full
 over the cached prefix" are the same mask: ``j <= position``. Prefill, extend-after-prefix and decode
-(``max_q_len == 1``) are therefore one function.
+(``max_q_len == 1``) are therefore one function. A sliding window ``W`` (Mistral; Qwen2/3's windowed layers)
+adds ``position - j < W``: each query sees its last ``W`` positions, itself included (transformers'
+``sliding_window_overlay``: ``kv_idx > q_idx - W``). Every backend honours it or declines the call.
 
 Pool layout is head-major, ``[num_kv_heads, num_slots, head_dim]`` per layer: measured faster on XLA CPU
 than token-major, and it is the layout the Pallas kernels (``jsgl.kernels.pallas_*``) read.
@@ -35,6 +37,9 @@ class AttentionMetadata:
     block_table: jax.Array  # [B, L] int32, pool slot of each position of each request (pad: 0)
     kv_lens: jax.Array  # [B] int32, positions cached after this step (prefix + new)
     max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # S, static bucket
+    # Keys with ``position - j >= sliding_window`` are masked; None: full causal attention. Static: the model
+    # sets it per layer (jsgl.model.llama.forward_hidden), so unwindowed models trace exactly as before.
+    sliding_window: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     @property
     def is_decode(self) -> bool:
@@ -90,8 +95,11 @@ def _native_decode_attention(
     v = v_pool[:, meta.block_table]
     scores = jnp.einsum("bhgd,hbld->bhgl", qg, k) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
+    visible = key_pos[None, :] < meta.kv_lens[:, None]
+    if meta.sliding_window is not None:  # the new token is position kv_len - 1: keys from kv_len - W on
+        visible &= key_pos[None, :] >= meta.kv_lens[:, None] - meta.sliding_window
     # Padding rows (kv_len 0) attend uniformly to slot 0 instead of nothing: finite, and never read.
-    mask = (key_pos[None, :] < meta.kv_lens[:, None]) | (meta.kv_lens[:, None] == 0)
+    mask = visible | (meta.kv_lens[:, None] == 0)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
     out = jnp.einsum("bhgl,hbld->bhgd", probs, v).reshape(batch, num_q_heads, head_dim)
     # Back to flat token order (the identity for the runner's decode batches); padding rows are dropped.
@@ -106,7 +114,7 @@ def native_paged_attention(
 
     q: [T, Hq, D]; k_pool, v_pool: [Hkv, N, D] (this layer). Returns [T, Hq, D].
     Gathers each request's keys by slot, regroups the flat queries into [B, S] by ``q_start``/``q_len``,
-    and masks keys by ``j <= position`` and ``j < kv_len``.
+    and masks keys by ``j <= position`` and ``j < kv_len`` (and ``j > position - W`` with a sliding window).
     """
     if meta.is_decode:
         return _native_decode_attention(q, k_pool, v_pool, meta, scale)
@@ -126,6 +134,8 @@ def native_paged_attention(
     scores = jnp.einsum("hgbsd,hbld->hgbsl", qp, k) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
     mask = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < meta.kv_lens[:, None, None])
+    if meta.sliding_window is not None:
+        mask &= key_pos[None, None, :] > pos[:, :, None] - meta.sliding_window
     scores = jnp.where(mask[None, None], scores, -jnp.inf)
     # Padding queries have no valid key: keep their softmax finite, their output is never read.
     scores = jnp.where(mask.any(-1)[None, None, :, :, None], scores, 0.0)

@@ -7,7 +7,8 @@
   its weight operand on every call, which at the 1-16 rows of a decode step costs about as much as the
   multiply (a chain of [16, 576] x [576, 1536] products: XLA ~185 GFLOP/s, packed float32 ~330).
 * :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode and short extends (jump-forward) read
-  each request's K/V rows in place from the pool instead of gathering a copy; prefill uses the native path.
+  each request's K/V rows in place from the pool instead of gathering a copy; prefill, and every step of a
+  layer with a sliding window (the kernel does not mask one), use the native path.
   Its fused form :func:`cpu_rope_write_attention` also applies RoPE and writes the new K/V (the model's path).
 
 The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
@@ -224,7 +225,9 @@ def attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def _kernel_serves(q: jax.Array, k_pool: jax.Array, meta: AttentionMetadata) -> bool:
-    return meta.max_q_len <= MAX_KERNEL_EXTEND and attention_supported(q.shape[1], k_pool.shape[0], q.shape[2])
+    # The C++ kernels have no sliding window: windowed layers take the native path, which masks it.
+    return (meta.max_q_len <= MAX_KERNEL_EXTEND and meta.sliding_window is None
+            and attention_supported(q.shape[1], k_pool.shape[0], q.shape[2]))
 
 
 def _metadata_args(meta: AttentionMetadata) -> tuple[jax.Array, ...]:

@@ -3,8 +3,9 @@
 Same contract as :func:`jsgl.kernels.attention.native_paged_attention`: ``q [T, Hq, D]``, per-layer pools
 ``k_pool, v_pool [Hkv, N, D]`` (slot 0 is a reserved dummy), :class:`AttentionMetadata`; returns
 ``[T, Hq, D]``. Query token ``t`` of request ``b`` attends to keys ``j`` with ``j <= positions[t]`` and
-``j < kv_lens[b]``, key ``j`` living in pool slot ``block_table[b, j]``. Tokens not covered by any
-request's ``[q_start, q_start + q_len)`` come back as zeros, as in the reference.
+``j < kv_lens[b]`` (and ``j > positions[t] - W`` under a sliding window ``meta.sliding_window = W``), key ``j``
+living in pool slot ``block_table[b, j]``. Tokens not covered by any request's ``[q_start, q_start + q_len)``
+come back as zeros, as in the reference.
 
 Two kernels, chosen by :func:`pallas_paged_attention` on the static ``meta.max_q_len``:
 
@@ -13,15 +14,17 @@ Two kernels, chosen by :func:`pallas_paged_attention` on the static ``meta.max_q
   each K/V row is read once for the whole group; the group is padded to ``block_h`` rows, >= 16 on
   GPU because ``tl.dot`` needs M >= 16). Split-K: the request's ``cdiv(len, block_k)`` KV blocks are
   cut into ``num_splits`` contiguous ranges *by its actual length* (so short requests don't pay for
-  the table width), each program runs an online softmax over its range and writes un-normalised
-  ``(acc, max, sum)`` partials in float32; a small jnp reduction (log-sum-exp merge) combines them.
+  the table width; under a sliding window the range starts at the window's first block), each program
+  runs an online softmax over its range and writes un-normalised ``(acc, max, sum)`` partials in
+  float32; a small jnp reduction (log-sum-exp merge) combines them.
 * **extend / prefill** (``max_q_len > 1``), :func:`paged_extend_attention`: grid
   ``(B, Hq, cdiv(max_q_len, block_q))``. One program owns ``block_q`` new tokens of one request and one
   query head; it reads them straight from the flat ragged ``q`` at ``q_start[b] + i * block_q`` with a
   masked load (rows ``>= q_len[b]`` masked, programs past ``q_len`` do nothing), loops over KV blocks
   ``[0, min(kv_len, max position + 1))`` with online softmax, masks ``j <= position & j < kv_len``
   (causal over the new tokens and full over the cached prefix at once) and does a masked store of its
-  rows into the flat output.
+  rows into the flat output. Under a sliding window the loop starts at the block of the tile's first
+  visible key and the mask adds ``j > position - W``.
 
 **KV gather.** Scalar prefetch (``PrefetchScalarGridSpec``) is TPU-only and the Triton lowering rejects
 it, so the slot table travels as an ordinary input block: the request's row of the (zero-padded)
@@ -143,7 +146,8 @@ def _online_softmax_block(carry: tuple[jax.Array, jax.Array, jax.Array], q: jax.
 
 
 def _decode_kernel(
-    len_ref,  # [1] int32: keys [0, len) of this request
+    start_ref,  # [1] int32: keys [start, len) of this request (start > 0 only under a sliding window)
+    len_ref,  # [1] int32
     q_ref,  # [block_h, D]
     bt_ref,  # [Lp] int32: this request's slot table, zero padded
     k_ref,  # [N, D]: this KV head's pool
@@ -157,18 +161,20 @@ def _decode_kernel(
     num_splits: int,
 ):
     split = pl.program_id(2)
-    length = len_ref[0]
+    start, length = start_ref[0], len_ref[0]
     block_h, head_dim = q_ref.shape
     q = q_ref[...]
 
-    num_blocks = pl.cdiv(length, block_k)
+    first_block = start // block_k
+    num_blocks = pl.cdiv(length, block_k) - first_block  # the blocks of keys [start, length)
     per_split = pl.cdiv(num_blocks, num_splits)
-    first = split * per_split
-    count = jnp.maximum(jnp.minimum(first + per_split, num_blocks) - first, 0)
+    mine = split * per_split  # this split's share of them: [mine, mine + per_split), clipped
+    first = first_block + mine
+    count = jnp.maximum(jnp.minimum(mine + per_split, num_blocks) - mine, 0)
 
     def body(i, carry):
         key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, (first + i) * block_k, length, block_k)
-        return _online_softmax_block(carry, q, k, v, (key_pos < length)[None, :], scale)
+        return _online_softmax_block(carry, q, k, v, ((key_pos < length) & (key_pos >= start))[None, :], scale)
 
     acc, m_run, l_run = lax.fori_loop(0, count, body, _online_softmax_init(block_h, head_dim))
     o_ref[...] = acc
@@ -181,6 +187,7 @@ def _decode_partials(
     k_pool: jax.Array,
     v_pool: jax.Array,
     block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
+    starts: jax.Array,  # [B] int32
     lengths: jax.Array,  # [B] int32
     *,
     scale: float,
@@ -201,6 +208,7 @@ def _decode_partials(
         grid=(batch, num_kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((1,), lambda b, h, s: (b,)),
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
             pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),
@@ -219,7 +227,7 @@ def _decode_partials(
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}",
-    )(lengths, q_grp, block_table, k_pool, v_pool)
+    )(starts, lengths, q_grp, block_table, k_pool, v_pool)
 
 
 def _combine_splits(acc: jax.Array, m_run: jax.Array, l_run: jax.Array) -> jax.Array:
@@ -280,6 +288,9 @@ def paged_decode_attention(
     pos = jnp.take(meta.positions, q_idx, axis=0)
     # Keys j < min(kv_len, pos + 1, L): the reference mask, as one length per request.
     lengths = jnp.where(real, jnp.clip(jnp.minimum(meta.kv_lens, pos + 1), 0, width), 0).astype(jnp.int32)
+    # Under a sliding window W the query at `pos` also needs j > pos - W: keys [start, len).
+    window = meta.sliding_window
+    starts = jnp.zeros_like(lengths) if window is None else jnp.where(real, jnp.maximum(pos + 1 - window, 0), 0)
     q_grp = jnp.take(q, q_idx, axis=0).reshape(batch, num_kv_heads, group, head_dim)
     if block_h != group:
         q_grp = jnp.pad(q_grp, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
@@ -289,6 +300,7 @@ def paged_decode_attention(
         k_pool,
         v_pool,
         _pad_table(meta.block_table, block_k),
+        starts,
         lengths,
         scale=scale,
         block_k=block_k,
@@ -322,6 +334,7 @@ def _extend_kernel(
     scale: float,
     block_q: int,
     block_k: int,
+    window: int | None,
 ):
     q_block = pl.program_id(2)
     q_len = ql_ref[0]
@@ -339,13 +352,19 @@ def _extend_kernel(
         pos = jnp.where(row_ok, pos, -1)
         hi = jnp.minimum(kv_len, pos.max() + 1)  # keys [0, hi) can be visible to some row
         num_blocks = jnp.maximum(pl.cdiv(hi, block_k), 0)
+        first_block = 0
+        if window is not None:  # keys before the tile's first row's window are visible to no row
+            first_pos = jnp.where(row_ok, pos, jnp.iinfo(jnp.int32).max).min()
+            first_block = jnp.minimum(jnp.maximum(first_pos + 1 - window, 0) // block_k, num_blocks)
 
         def body(i, carry):
             key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, i * block_k, kv_len, block_k)
             valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)  # causal + in range
+            if window is not None:
+                valid &= key_pos[None, :] > pos[:, None] - window
             return _online_softmax_block(carry, q, k, v, valid, scale)
 
-        acc, _, l_run = lax.fori_loop(0, num_blocks, body, _online_softmax_init(block_q, head_dim))
+        acc, _, l_run = lax.fori_loop(first_block, num_blocks, body, _online_softmax_init(block_q, head_dim))
         out = acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]
         plgpu.store(o_ref.at[pl.ds(start, block_q), :], out.astype(o_ref.dtype), mask=row_ok_2d)
 
@@ -364,6 +383,7 @@ def _extend_call(
     scale: float,
     block_q: int,
     block_k: int,
+    window: int | None,
     interpret: bool,
     num_warps: int,
     num_stages: int,
@@ -373,7 +393,7 @@ def _extend_call(
     num_kv_heads, num_slots, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     batch, width = block_table.shape
-    kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k)
+    kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window)
     per_req = lambda b, h, i: (b,)
     kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda b, h, i: (h // group, 0, 0))
     tok_spec = pl.BlockSpec((num_tokens, None, head_dim), lambda b, h, i: (0, h, 0))
@@ -439,6 +459,7 @@ def paged_extend_attention(
         scale=scale,
         block_q=block_q,
         block_k=block_k,
+        window=meta.sliding_window,
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,

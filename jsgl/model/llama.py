@@ -1,12 +1,15 @@
-"""The Llama-family forward (Llama, Mistral, Qwen2, SmolLM) as plain functions over a params pytree.
+"""The Llama-family forward (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM) as plain functions over a params
+pytree.
 
 One forward serves prefill, extend-after-prefix and decode: it takes a flat batch of new tokens with
 their positions and the pool slot each writes its K/V to, writes them, and attends through the
-paged-attention interface of ``jsgl.kernels.attention``.
+paged-attention interface of ``jsgl.kernels.attention``. The families differ only in what a layer's params
+hold (q/k/v and o biases; Qwen3's ``q_norm``/``k_norm``) and in the config's per-layer sliding windows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -48,10 +51,11 @@ def _normed_qkv(h: jax.Array, layer: Params, eps: float) -> jax.Array | list[jax
 
 
 def _attention_output(h: jax.Array, attn: jax.Array, layer: Params) -> jax.Array:
-    """``h + attn @ wo``."""
+    """``h + attn @ wo (+ bo)``."""
+    residual = h + layer["bo"] if "bo" in layer else h
     if (packed := _packed(layer, ("wo",))) is not None:
-        return packed_matmul(attn, packed, residual=h)
-    return h + attn @ layer["wo"]
+        return packed_matmul(attn, packed, residual=residual)
+    return residual + attn @ layer["wo"]
 
 
 def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
@@ -120,7 +124,8 @@ def _layer(
     scale = cfg.head_dim**-0.5
     fused = attention.rope_write_attend  # RoPE + K/V write + attention as one op, where the backend has it
     result = None
-    if fused is not None and not isinstance(qkv, list):
+    # The fused op takes q and k straight from the projection: it cannot apply Qwen3's q/k norms first.
+    if fused is not None and not isinstance(qkv, list) and "q_norm" not in layer:
         result = fused(qkv, k_pool, v_pool, write_slots, *rope_cos_sin, meta, scale)
     if result is not None:
         attn, k_pool, v_pool = result
@@ -128,9 +133,13 @@ def _layer(
         if not isinstance(qkv, list):
             q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             qkv = jnp.split(qkv, [q_width, q_width + kv_width], axis=-1)
-        q = rope(qkv[0].reshape(num_tokens, cfg.num_heads, cfg.head_dim), *rope_cos_sin)
-        k = rope(qkv[1].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope_cos_sin)
+        q = qkv[0].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = qkv[1].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[2].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if "q_norm" in layer:  # Qwen3: RMSNorm over each head's vector, before RoPE
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = rope(q, *rope_cos_sin), rope(k, *rope_cos_sin)
         # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
         k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
         v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
@@ -158,7 +167,10 @@ def forward_hidden(
     # A Python loop, unrolled in the one jitted step: a lax.scan over stacked layers made XLA CPU copy
     # each layer's weights out of the stack before the matmuls (decode ran ~1.8x slower).
     for i, layer in enumerate(params["layers"]):
-        h, k_pools[i], v_pools[i] = _layer(cfg, attention, rope_cos_sin, write_slots, meta, h, layer,
+        # The layer's sliding window travels as a static field of the metadata: every backend sees it.
+        window = cfg.layer_window(i)
+        layer_meta = meta if window is None else dataclasses.replace(meta, sliding_window=window)
+        h, k_pools[i], v_pools[i] = _layer(cfg, attention, rope_cos_sin, write_slots, layer_meta, h, layer,
                                            k_pools[i], v_pools[i])
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), (k_pools, v_pools)
 

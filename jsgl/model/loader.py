@@ -9,8 +9,11 @@ decode speed)::
 
     embed [V, D], final_norm [D], lm_head [D, V] (absent when tied to embed)
     layers: list of L dicts: attn_norm [D], wq [D, Hq*hd], wk/wv [D, Hkv*hd], wo [Hq*hd, D],
-            (bq [Hq*hd], bk/bv [Hkv*hd] with attention bias), mlp_norm [D],
-            w_gate/w_up [D, I], w_down [I, D]
+            (bq [Hq*hd], bk/bv [Hkv*hd] with attention bias; bo [D] where the checkpoint has it),
+            (q_norm/k_norm [hd]: Qwen3), mlp_norm [D], w_gate/w_up [D, I], w_down [I, D]
+
+An HF checkpoint must hold exactly the tensors its config implies: a missing one or one jsgl would not use
+(an MLP bias, a norm of another architecture) is refused by name rather than run approximately.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from jsgl.kernels.quant import QuantBlocks
-from jsgl.model.config import ModelConfig
+from jsgl.model.config import ModelConfig, UnsupportedModelError, refuse
 from jsgl.model.registry import model_cache_dir, resolve_model_path
 
 Params = dict[str, Any]
@@ -39,6 +42,9 @@ _LAYER_TENSORS = {
     "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
     "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
     "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "bo": ("attn_output.bias", "self_attn.o_proj.bias"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
     "mlp_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
     "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
     "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
@@ -106,6 +112,12 @@ def _finish(tensors: dict[str, np.ndarray], per_layer: list[dict[str, np.ndarray
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
+_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp's converter interleaves the rotary halves of q/k only for these (its LlamaModel; Qwen's rope is
+# NEOX-style, stored as in HF): transformers' GGUF reader undoes it for "llama" alone, likewise.
+_PERMUTED_QK = ("llama", "mistral")
+
+
 def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's conversion, which interleaves each head's rotary halves for its RoPE kernel."""
     out_dim = weight.shape[0]
@@ -122,12 +134,29 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}")
+    if arch not in _GGUF_ARCHITECTURES:
+        refuse("GGUF general.architecture", arch, f"jsgl reads {', '.join(_GGUF_ARCHITECTURES)} GGUF files")
     names = {t.name for t in reader.tensors}
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     heads = field(f"{arch}.attention.head_count")
     hidden = field(f"{arch}.embedding_length")
+    head_dim = field(f"{arch}.attention.key_length") or hidden // heads
+    # What llama.cpp stores for RoPE scaling and windows, which jsgl does not read from a GGUF (yet): refuse
+    # rather than run without it. (Llama 3.1 GGUFs carry their llama3 scaling as the rope_freqs tensor.)
+    if field(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        refuse(f"GGUF {arch}.rope.scaling.type", field(f"{arch}.rope.scaling.type"), "use the HF checkpoint")
+    if "rope_freqs.weight" in names:
+        refuse("GGUF tensor rope_freqs.weight", "present", "per-frequency RoPE factors: use the HF checkpoint")
+    if field(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        refuse(f"GGUF {arch}.rope.dimension_count", field(f"{arch}.rope.dimension_count"),
+               f"partial RoPE (head_dim {head_dim})")
+    if field(f"{arch}.attention.sliding_window") is not None:
+        refuse(f"GGUF {arch}.attention.sliding_window", field(f"{arch}.attention.sliding_window"),
+               "use the HF checkpoint")
+    known = {g for g, _ in _GLOBAL_TENSORS.values()} | {g for g, _ in _LAYER_TENSORS.values()}
+    for name in sorted(names):
+        if (name.split(".", 2)[-1] if name.startswith("blk.") else name) not in known:
+            refuse("GGUF tensor", name, "jsgl's forward would not use it")
     return {
         "model_type": arch,
         "vocab_size": field(f"{arch}.vocab_size") or int(embed.shape[1]),
@@ -136,7 +165,7 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
         "num_hidden_layers": field(f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": field(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": field(f"{arch}.context_length", 2048),
@@ -164,11 +193,12 @@ def _load_gguf(path: Path) -> tuple[dict[str, Any], Params]:
     for i in range(config.num_layers):
         layer = {ours: tensor(f"blk.{i}.{g}") for ours, (g, _) in _LAYER_TENSORS.items()
                  if f"blk.{i}.{g}" in by_name}
-        layer["wq"] = _unpermute_qk(layer["wq"], config.num_heads)
-        layer["wk"] = _unpermute_qk(layer["wk"], config.num_kv_heads)
-        for bias, heads in (("bq", config.num_heads), ("bk", config.num_kv_heads)):
-            if bias in layer:
-                layer[bias] = _unpermute_qk(layer[bias], heads)
+        if config.architecture in _PERMUTED_QK:
+            for name, heads in (("wq", config.num_heads), ("wk", config.num_kv_heads),
+                                ("bq", config.num_heads), ("bk", config.num_kv_heads)):
+                if name in layer:
+                    layer[name] = _unpermute_qk(layer[name], heads)
+        _check_layer(layer, config, i, gguf_names=True)
         per_layer.append(layer)
     return hf_config, _finish(tensors, per_layer, config.tie_word_embeddings)
 
@@ -208,7 +238,7 @@ def load_gguf_blocks(model: str | os.PathLike) -> tuple[list[dict[str, QuantBloc
             t = by_name.get(f"blk.{i}.{g}")
             blocks = _quant_blocks(t) if t is not None and len(t.shape) == 2 else None
             if blocks is not None:
-                if ours in ("wq", "wk"):
+                if ours in ("wq", "wk") and config.architecture in _PERMUTED_QK:
                     heads = config.num_heads if ours == "wq" else config.num_kv_heads
                     blocks = QuantBlocks(blocks.kind, *(None if a is None else _unpermute_qk(a, heads)
                                                         for a in (blocks.q, blocks.d, blocks.m)))
@@ -219,6 +249,34 @@ def load_gguf_blocks(model: str | os.PathLike) -> tuple[list[dict[str, QuantBloc
 
 
 # ------------------------------------------------------------------------------------------------ HF
+def _expected_layer_tensors(config: ModelConfig) -> set[str]:
+    """Our names of the tensors every layer of ``config`` has: transformers' module for it would create exactly
+    these (o_proj's bias with ``attention_bias`` outside Qwen2, whose o_proj never has one)."""
+    names = {"attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"}
+    if config.attention_bias:
+        names |= {"bq", "bk", "bv"} | (set() if config.architecture == "qwen2" else {"bo"})
+    if config.qk_norm:
+        names |= {"q_norm", "k_norm"}
+    return names
+
+
+def _check_layer(layer: dict[str, np.ndarray], config: ModelConfig, index: int, *, gguf_names: bool = False) -> None:
+    """A layer's tensors are those its config implies: nothing missing, nothing jsgl would ignore."""
+    expected = _expected_layer_tensors(config)
+    column = 0 if gguf_names else 1
+    missing, extra = sorted(expected - layer.keys()), sorted(layer.keys() - expected)
+    if missing:
+        raise UnsupportedModelError(f"layer {index} has no {_LAYER_TENSORS[missing[0]][column]}, which "
+                                    f"{config.architecture} with this config needs")
+    if extra:
+        refuse(f"tensor {_LAYER_TENSORS[extra[0]][column]} (layer {index})", "present",
+               f"{config.architecture} with this config has no such tensor")
+
+
+# Buffers older transformers saved with the weights; recomputed from the config, never read.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
 def _load_hf(path: Path, config: ModelConfig) -> Params:
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -226,15 +284,26 @@ def _load_hf(path: Path, config: ModelConfig) -> Params:
     raw: dict[str, np.ndarray] = {}
     for f in files:
         raw.update(load_file(f))
+    used: set[str] = set()
 
     def get(name: str) -> np.ndarray:
+        used.add(name)
         return np.asarray(raw[name], dtype=np.float32)
 
     tensors = {ours: get(h) for ours, (_, h) in _GLOBAL_TENSORS.items() if h in raw}
-    tied = config.tie_word_embeddings or "lm_head" not in tensors
-    per_layer = [
-        {ours: get(f"model.layers.{i}.{h}") for ours, (_, h) in _LAYER_TENSORS.items()
-         if f"model.layers.{i}.{h}" in raw}
-        for i in range(config.num_layers)
-    ]
-    return _finish(tensors, per_layer, tied)
+    if config.tie_word_embeddings:
+        used.add(_GLOBAL_TENSORS["lm_head"][1])  # a tied checkpoint may still store it: the embedding is used
+    elif "lm_head" not in tensors:
+        refuse("tie_word_embeddings", False, "the checkpoint has no lm_head.weight (transformers would "
+               "initialise it randomly)")
+    per_layer = []
+    for i in range(config.num_layers):
+        layer = {ours: get(f"model.layers.{i}.{h}") for ours, (_, h) in _LAYER_TENSORS.items()
+                 if f"model.layers.{i}.{h}" in raw}
+        _check_layer(layer, config, i)
+        per_layer.append(layer)
+    leftover = sorted(n for n in raw.keys() - used if not n.endswith(_IGNORED_HF_SUFFIXES))
+    if leftover:
+        refuse("tensor", leftover[0], f"jsgl's {config.architecture} forward would not use it "
+               f"({len(leftover)} such tensors)")
+    return _finish(tensors, per_layer, config.tie_word_embeddings)
