@@ -138,7 +138,8 @@ def run_config(program: Any, essays: list[str], parallel: bool, hint: bool, rt: 
             "sample_score": states[0]["score"] if not errors else None}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Exit status (what ``jsgl bench llm_judge`` returns): 1 when a program failed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-essays", type=int, default=30)
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--repeat", type=int, default=2, help="runs per configuration; the table shows the best")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     essays = sharegpt_essays(args.num_essays) if args.sharegpt else builtin_essays()[: args.num_essays]
     rt = sgl.Runtime(model=args.model, kv_cache_gb=args.kv_cache_gb, max_running_requests=args.max_running)
@@ -193,7 +194,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
+    failed = [err for r in results for err in r["errors"]]
+    if failed:
+        print(f"{len(failed)} program(s) failed, e.g. {failed[0]}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# What jsgl builds from its own code (FSM indexes, the CPU kernels): built afresh in each test session.
+PER_SESSION_CACHES = frozenset({"fsm", "kernels"})
+
+
+def _session_cache_dir() -> tuple[Path, Path]:
+    """A per-session JSGL_CACHE_DIR (inherited by the servers and commands tests start), so FSM indexes and
+    CPU kernels are built by the code under test, never loaded from what older code left behind. Everything
+    else stays shared with the user's cache, linked in: the converted model weights (models/: 0.5 GB, ~7 s to
+    convert, keyed by the GGUF file's identity), XLA's compilation cache (jax/, keyed by the program) and
+    third-party installs (the sglang client); what a session adds there moves to the shared cache at the end."""
+    shared = Path(os.environ.get("JSGL_CACHE_DIR") or Path.home() / ".cache" / "jsgl")
+    (shared / "models").mkdir(parents=True, exist_ok=True)
+    session = Path(tempfile.mkdtemp(prefix="jsgl-test-cache-"))
+    for entry in shared.iterdir():
+        if entry.name not in PER_SESSION_CACHES and not entry.name.startswith("."):
+            (session / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    os.environ["JSGL_CACHE_DIR"] = str(session)
+    return session, shared
+
+
+SESSION_CACHE_DIR, SHARED_CACHE_DIR = _session_cache_dir()
 
 # Tests that load the model (through these fixtures) take seconds each: `pytest -m "not slow"` skips them
 # for a quick loop; CI runs everything.
@@ -15,7 +41,8 @@ MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runt
 SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test_tensor_parallel",
                           "test_server_launch", "test_model", "test_cpu_kernels", "test_soak", "test_engine",
                           "test_constrained_engine", "test_openai_tools",
-                          "test_grammar_backend", "test_sglang_client"})
+                          "test_grammar_backend", "test_sglang_client", "test_model_families",
+                          "test_schedule_policies", "test_cli"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,6 +51,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or (
                 module is not None and module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_dir():
+    yield SESSION_CACHE_DIR
+    for entry in SESSION_CACHE_DIR.iterdir():
+        if entry.is_symlink():
+            entry.unlink()  # the link only: what it points to stays shared
+        elif entry.name not in PER_SESSION_CACHES and not entry.name.startswith(".") \
+                and not (SHARED_CACHE_DIR / entry.name).exists():
+            shutil.move(entry, SHARED_CACHE_DIR / entry.name)
+    shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,7 @@ def allowed(mask: np.ndarray) -> set[int]:
 
 @pytest.fixture(scope="module")
 def llg(tokenizer):
-    pytest.importorskip("llguidance")
+    import llguidance  # noqa: F401  (a test dependency: missing is a failure, not a skip)
     return make_grammar_backend("llguidance", tokenizer, VOCAB)
 
 
@@ -200,7 +200,8 @@ def test_invalid_grammars_are_invalid_request_errors(llg, kind, value, message):
 # ------------------------------------------------------------------------------- engine, real model
 @pytest.fixture(scope="module")
 def llg_engine():
-    pytest.importorskip("llguidance")
+    import llguidance  # noqa: F401  (a test dependency: missing is a failure, not a skip)
+
     from jsgl.engine.engine import Engine
 
     eng = Engine(model="smollm2-135m", kv_cache_gb=0.25, max_running_requests=16, chunked_prefill_size=256,
@@ -221,7 +222,7 @@ def test_ebnf_yes_no_on_the_model(llg_engine):
 
 
 def test_json_schema_through_llguidance_validates(llg_engine):
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     cities = ("Tokyo", "Lima", "Cairo", "Oslo", "Nairobi")
     prompts = [CHAT.format(f"Give facts about {c} as JSON: name, country, population, capital.") for c in cities]
     params = [{"json_schema": SCHEMA, "max_new_tokens": 80, "temperature": t, "seed": i}

@@ -342,3 +342,46 @@ def test_small_constraints_are_served_while_heavy_builds_pend_and_abandoned_buil
     for t in threads:
         t.join(60)
     assert_server_no_leak(http)
+
+
+# -------------------------------------------------------------------------------------------- disconnect
+def test_streaming_client_that_disconnects_is_aborted_within_two_seconds(server, http, engine):
+    """A client that hangs up after the first chunks of a 2000-token stream: within 2 s the engine no
+    longer runs its request, which ends as an abort after far fewer than 2000 tokens."""
+    import uuid
+
+    from jsgl.engine.request import AbortReason, FinishReason
+
+    assert_server_no_leak(http)
+    rid = f"hang-up-{uuid.uuid4().hex[:8]}"
+    body = {"text": "Count:", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/generate", json=body) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()  # kept: dropping the iterator would close the connection
+                first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+                assert first["meta_info"]["finish_reason"] is None, first
+                seq = engine._by_id[rid]
+                # While connected (even reading nothing) it keeps decoding.
+                deadline = time.monotonic() + 30
+                while len(seq.output_ids) < 4:
+                    assert not seq.finished and time.monotonic() < deadline, (seq.finish_reason, seq.error)
+                    time.sleep(0.01)
+                assert not seq.finished
+        hung_up = time.monotonic()  # leaving both blocks closed the connection mid-stream
+        while True:
+            running = {s.rid for s in [*engine.scheduler.running, *engine.scheduler.prefilling]}
+            info = http.get("/get_server_info").json()
+            if seq.finished and rid not in running and info["active_requests"] == 0:
+                break
+            assert time.monotonic() - hung_up < 2.0, ("still running 2 s after the disconnect",
+                                                      len(seq.output_ids), info["active_requests"])
+            time.sleep(0.02)
+        assert (seq.finish_reason, seq.abort_reason) == (FinishReason.ABORT, AbortReason.CLIENT)
+        assert len(seq.output_ids) < 400, len(seq.output_ids)  # 2000 were asked for
+        print(f"aborted {time.monotonic() - hung_up:.2f} s after the disconnect, {len(seq.output_ids)} tokens")
+    finally:
+        engine.abort(rid)  # whatever happened, leave no 2000-token request to the next tests
+    assert_server_no_leak(http)

@@ -71,8 +71,33 @@ class RadixMachine(RuleBasedStateMachine):
         self.pool = Pool()
         self.cache = RadixCache(page_size=self.page_size, free_slots=self._on_free)
         self.held: list[tuple[list[int], np.ndarray, TreeNode]] = []  # running requests
+        # An independent model of recency: for each cached token (by its prefix), the number of the last
+        # operation that touched it. An operation touches the nodes its tokens lie in, whole (the tree keeps
+        # one access time per node).
+        self.clock = 0
+        self.access: dict[tuple[int, ...], int] = {}
+        self.evicted_log: list[list[int]] | None = None  # slots freed by the running evict(), in order
+
+    def _pages(self, node: TreeNode) -> list[tuple[int, ...]]:
+        """The node's pages, each named by the token prefix that ends with it."""
+        path = path_tokens(self.cache, node)
+        start = len(path) - len(node.key)
+        return [tuple(path[:k]) for k in range(start + self.page_size, len(path) + 1, self.page_size)]
+
+    def _touch(self, tokens: list[int], n: int) -> None:
+        """Record an operation that read or wrote the first n tokens (call after it)."""
+        self.clock += 1
+        for node in self.cache.iter_nodes():
+            first = self._pages(node)[0]
+            if len(first) <= n and list(first) == tokens[: len(first)]:  # the operation went through it
+                self.access.update(dict.fromkeys(self._pages(node), self.clock))
+
+    def _last_access(self, node: TreeNode) -> int:
+        return max(self.access[page] for page in self._pages(node))
 
     def _on_free(self, slots: np.ndarray) -> None:
+        if self.evicted_log is not None:
+            self.evicted_log.append(slots.tolist())
         in_tree = set(tree_slots(self.cache))
         locked = {s for n in self.cache.iter_nodes() if n.lock_ref > 0 for s in n.value.tolist()}
         for _, held_slots, _ in self.held:
@@ -88,11 +113,13 @@ class RadixMachine(RuleBasedStateMachine):
         """What the engine does when a request ends: insert, free duplicates and the partial page."""
         slots = np.concatenate([cached, self.pool.alloc(len(tokens) - len(cached))])
         prefix_len = self.cache.insert(tokens, slots)
+        n = self._aligned(len(tokens))
+        self._touch(tokens, n)
         assert prefix_len >= len(cached)
         self.pool.free(slots[len(cached):prefix_len])  # our duplicates of tokens already cached
-        self.pool.free(slots[self._aligned(len(tokens)):])  # the uncached partial page
+        self.pool.free(slots[n:])  # the uncached partial page
         got, _ = self.cache.match_prefix(tokens)
-        n = self._aligned(len(tokens))
+        self._touch(tokens, len(got))
         assert len(got) == n
         assert got[: len(cached)].tolist() == cached.tolist()  # our lock kept those slots alive
         assert got[prefix_len:].tolist() == slots[prefix_len:n].tolist()
@@ -102,6 +129,7 @@ class RadixMachine(RuleBasedStateMachine):
     def match_and_lock(self, tokens: list[int]) -> None:
         expect = self.cache.match_len(tokens)
         slots, node = self.cache.match_prefix(tokens)
+        self._touch(tokens, len(slots))
         assert len(slots) == expect and len(slots) % self.page_size == 0
         assert path_tokens(self.cache, node) == tokens[: len(slots)]  # node covers exactly the prefix
         self.cache.inc_lock_ref(node)
@@ -133,9 +161,47 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 12))
     def evict(self, n: int) -> None:
         before = self.cache.evictable_size()
-        freed = self.cache.evict(n)
+        # Snapshot the tree with the model's access times, then replay the eviction against it: each
+        # freed leaf must be the least recently used unlocked leaf at that moment (a parent left childless
+        # and unlocked joins the candidates), and it stops as soon as n tokens are freed.
+        nodes = {node.uid: node for node in self.cache.iter_nodes()}
+        last = {uid: self._last_access(node) for uid, node in nodes.items()}
+        parent = {uid: node.parent.uid for uid, node in nodes.items()}
+        children = {uid: {c.uid for c in node.children.values()} for uid, node in nodes.items()}
+        locked = {uid for _, _, held in self.held for uid in (n.uid for n in self._ancestry(held))}
+        owner = {s: uid for uid, node in nodes.items() for s in node.value.tolist()}
+        size = {uid: len(node.key) for uid, node in nodes.items()}
+        self.evicted_log = []
+        try:
+            freed = self.cache.evict(n)
+        finally:
+            log, self.evicted_log = self.evicted_log, None
         assert freed >= min(n, before)  # everything unlocked is reachable by the cascade
         assert freed <= before and self.cache.evictable_size() == before - freed
+        candidates = {uid for uid in nodes if not children[uid] and uid not in locked}
+        total = 0
+        for slots in log:
+            uid = owner[slots[0]]
+            assert [owner[s] for s in slots] == [uid] * size[uid], "eviction freed part of a node"
+            assert uid in candidates, "evicted a locked node or one with children"
+            assert last[uid] == min(last[c] for c in candidates), (
+                "evicted a leaf that is not the least recently used", last[uid], sorted(last[c] for c in candidates))
+            assert total < n, "evicted more leaves than needed"
+            total += size[uid]
+            candidates.remove(uid)
+            up = parent[uid]
+            if up in children:
+                children[up].discard(uid)
+                if not children[up] and up not in locked:
+                    candidates.add(up)
+        assert total == freed
+
+    def _ancestry(self, node: TreeNode) -> list[TreeNode]:
+        out = []
+        while node is not self.cache.root:
+            out.append(node)
+            node = node.parent
+        return out
 
     @invariant()
     def tree_is_well_formed(self) -> None:

@@ -69,3 +69,93 @@ def test_skipping_logprobs_keeps_the_tokens():
     np.testing.assert_array_equal(np.asarray(with_lp[0]), np.asarray(without[0]))
     expected = jax.nn.log_softmax(logits)[jnp.arange(8), with_lp[0]]
     np.testing.assert_allclose(np.asarray(with_lp[1]), np.asarray(expected), atol=1e-5)
+
+
+# ------------------------------------------------------------- filters on shuffled logits vs numpy (chi-square)
+# A permutation of 10 tokens with cycles longer than 2: scattering the filtered logits back with `order`
+# instead of its inverse moves probability onto the wrong tokens (an involution would hide that).
+SHUFFLED_PROBS = np.array([0.02, 0.21, 0.005, 0.12, 0.04, 0.3, 0.01, 0.07, 0.16, 0.065])
+DRAWS = 20000  # rows of one batch: each its own seed, and `steps` varied too
+
+
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> np.ndarray:
+    """SGLang's semantics in float64 numpy: softmax(logits / T), then in descending order keep rank < top_k,
+    the tokens whose preceding mass is < top_p, and p >= min_p * p_max (the top token always), renormalized."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    sp = p[order]
+    before = np.concatenate([[0.0], np.cumsum(sp)[:-1]])
+    # No threshold may sit within rounding of a probability: the float32 sampler must decide the same way.
+    assert top_p == 1.0 or np.all(np.abs(before - top_p) > 1e-3)
+    assert min_p == 0.0 or np.all(np.abs(sp - min_p * sp[0]) > 1e-4)
+    keep = (np.arange(len(p)) < top_k) & (before < top_p) & (sp >= min_p * sp[0])
+    keep[0] = True
+    target = np.zeros_like(p)
+    target[order[keep]] = sp[keep]
+    return target / target.sum()
+
+
+def chi_square_critical(df: int, alpha: float = 1e-7) -> float:
+    try:
+        from scipy.stats import chi2
+    except ImportError:  # Wilson-Hilferty with z(1e-7) = 5.2, plus a margin for its error in the far tail
+        return 1.25 * df * (1 - 2 / (9 * df) + 5.2 * np.sqrt(2 / (9 * df))) ** 3
+    return float(chi2.isf(alpha, df))
+
+
+def assert_follows(tokens: np.ndarray, target: np.ndarray) -> None:
+    """Tokens outside the target's support never appear; the rest pass a chi-square test at p = 1e-7."""
+    counts = np.bincount(tokens, minlength=len(target))
+    support = target > 0
+    assert counts[~support].sum() == 0, (counts, target)
+    if support.sum() == 1:
+        return
+    expected = target[support] * len(tokens)
+    assert expected.min() >= 20  # the chi-square approximation holds
+    chi2 = float(((counts[support] - expected) ** 2 / expected).sum())
+    assert chi2 < chi_square_critical(int(support.sum()) - 1), (chi2, counts, target * len(tokens))
+
+
+FILTER_CASES = {  # name: (temperature, top_k, top_p, min_p)
+    "top_k": (1.0, 4, 1.0, 0.0),
+    "top_p": (1.0, 10, 0.8, 0.0),
+    "min_p": (1.0, 10, 1.0, 0.2),
+    "top_k+temperature": (0.6, 5, 1.0, 0.0),
+    "top_p+temperature": (1.7, 10, 0.75, 0.0),
+    "min_p+temperature": (2.0, 10, 1.0, 0.3),
+    "all+temperature": (1.4, 6, 0.9, 0.12),
+}
+
+
+def sample_filtered(logits: np.ndarray, cases: list[tuple[float, int, float, float]], n: int,
+                    sampler=sample) -> list[np.ndarray]:
+    """n draws per case, all cases as rows of one batch (so per-row parameters are exercised too)."""
+    rows = len(cases) * n
+    col = lambda i: np.repeat(np.array([c[i] for c in cases]), n)
+    s = inputs(rows, len(logits), temperature=col(0).astype(np.float32), top_k=col(1).astype(np.int32),
+               top_p=col(2).astype(np.float32), min_p=col(3).astype(np.float32), need_sort=True,
+               seeds=np.arange(rows, dtype=np.uint32) * 7 + 3, steps=np.arange(rows, dtype=np.int32) % 97)
+    tokens = np.asarray(jax.jit(sampler)(jnp.tile(jnp.asarray(logits), (rows, 1)), s)[0])
+    return [tokens[i * n:(i + 1) * n] for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def shuffled_logits():
+    logits = np.log(SHUFFLED_PROBS).astype(np.float32) + 1.5  # an offset: logits are not log-probabilities
+    order = np.argsort(-logits)
+    assert not np.array_equal(order[order], np.arange(len(order)))  # not an involution
+    return logits
+
+
+def test_filters_on_shuffled_logits_follow_the_numpy_distribution(shuffled_logits):
+    names = list(FILTER_CASES)
+    draws = sample_filtered(shuffled_logits, [FILTER_CASES[k] for k in names], DRAWS)
+    for name, tokens in zip(names, draws, strict=True):
+        target = reference_distribution(shuffled_logits.astype(np.float64), *FILTER_CASES[name])
+        assert 1 < (target > 0).sum() < len(target), name  # each case filters something and leaves a choice
+        try:
+            assert_follows(tokens, target)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None

