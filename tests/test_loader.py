@@ -74,6 +74,24 @@ def test_converted_weights_are_cached(tmp_path, monkeypatch):
     assert params["layers"][0]["wq"].shape == (576, 576) and params["layers"][0]["attn_norm"].shape == (576,)
 
 
+def test_gguf_blocks_cache_equals_the_file(tmp_path, monkeypatch):
+    """The blocks an engine start reads from the cache are the GGUF's own, decoded afresh."""
+    from jsgl.model import loader
+
+    cached = loader.load_gguf_blocks("smollm2-135m")
+    fresh_dir = tmp_path / "fresh"
+    fresh_dir.mkdir()
+    monkeypatch.setattr(loader, "model_cache_dir", lambda path: fresh_dir)
+    fresh = loader.load_gguf_blocks("smollm2-135m")  # parses the GGUF, then writes the cache
+    assert (fresh_dir / "blocks.v1.safetensors").exists()
+    assert loader.load_gguf_blocks("smollm2-135m")[1].kind == fresh[1].kind
+    pairs = [(a, b) for la, lb in zip(cached[0], fresh[0], strict=True) for a, b in zip(la.values(), lb.values())]
+    assert len(pairs) == 30 * 7
+    for a, b in pairs + [(cached[1], fresh[1])]:
+        assert a.kind == b.kind and np.array_equal(a.q, b.q) and np.array_equal(a.d, b.d)
+        assert (a.m is None) == (b.m is None) and (a.m is None or np.array_equal(a.m, b.m))
+
+
 def test_unknown_model_names():
     from jsgl.model.registry import resolve_model_path
 
