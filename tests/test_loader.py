@@ -85,7 +85,8 @@ def test_gguf_blocks_cache_equals_the_file(tmp_path, monkeypatch):
     fresh = loader.load_gguf_blocks("smollm2-135m")  # parses the GGUF, then writes the cache
     assert (fresh_dir / "blocks.v1.safetensors").exists()
     assert loader.load_gguf_blocks("smollm2-135m")[1].kind == fresh[1].kind
-    pairs = [(a, b) for la, lb in zip(cached[0], fresh[0], strict=True) for a, b in zip(la.values(), lb.values())]
+    pairs = [(la[name], lb[name]) for la, lb in zip(cached[0], fresh[0], strict=True) for name in lb]
+    assert all(la.keys() == lb.keys() for la, lb in zip(cached[0], fresh[0]))
     assert len(pairs) == 30 * 7
     for a, b in pairs + [(cached[1], fresh[1])]:
         assert a.kind == b.kind and np.array_equal(a.q, b.q) and np.array_equal(a.d, b.d)
