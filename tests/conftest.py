@@ -45,6 +45,20 @@ SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test
                           "test_schedule_policies", "test_cli"})
 
 
+QUICK = False  # the quick loop (-m "not slow"): set before the test modules are imported
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global QUICK
+    QUICK = "not slow" in (config.getoption("markexpr") or "")
+
+
+def examples(n: int) -> int:
+    """Hypothesis examples of a state machine: all of them in the full suite (CI), a quarter in the quick
+    loop, which keeps `pytest -m "not slow"` under a minute."""
+    return max(n // 4, 10) if QUICK else n
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = getattr(item, "module", None)

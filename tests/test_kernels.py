@@ -23,7 +23,13 @@ from jsgl.kernels.pallas_attention import (
 
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5
-GQA = [(3, 3), (9, 3), (7, 1)]  # (Hq, Hkv): group 1, 3, 7
+def extra(*values):
+    """A further case of a parametrized test: in the full suite, not in the quick loop (`-m "not slow"`,
+    where the first case of each test runs)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+GQA = [(9, 3), extra(3, 3), extra(7, 1)]  # (Hq, Hkv): group 3, 1, 7
 
 
 def make_case(
@@ -86,7 +92,7 @@ def assert_close(out, ref, atol=1e-4):
 # --------------------------------------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads,num_splits", [(3, 3, 1), (9, 3, 3), (7, 1, 2)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,num_splits", [(9, 3, 3), extra(3, 3, 1), extra(7, 1, 2)])
 def test_decode_matches_reference(num_q_heads, num_kv_heads, num_splits):
     # Lengths 1, < block, == block, non-multiples, > several blocks; one padding row (q_len 0) and
     # padding tokens at the end of the flat batch; table width 37 is not a multiple of block_k.
@@ -257,7 +263,7 @@ def dense_window_reference(q, k_pool, v_pool, meta, window):
     return out
 
 
-@pytest.mark.parametrize("window", [1, 5, 16])
+@pytest.mark.parametrize("window", [5, extra(1), extra(16)])
 def test_sliding_window_native_decode_and_extend(window):
     # Decode and extend (with a cached prefix longer than the window) against the dense loop.
     for q_lens, kv_lens in (([1, 1, 0, 1], [30, 3, 0, 17]), ([6, 1, 0, 9], [30, 3, 0, 13])):
@@ -269,7 +275,7 @@ def test_sliding_window_native_decode_and_extend(window):
                                    atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [3, 8, 20])
+@pytest.mark.parametrize("window", [8, extra(3), extra(20)])
 def test_sliding_window_pallas_decode(window):
     # Windows inside one KV block, spanning blocks, and longer than some requests; split-K over the window.
     q, k, v, meta = make_case(window + 1, 9, 3, [1, 5, 37, 0, 19], [1, 1, 1, 0, 1], width=40, extra_tokens=1)
@@ -279,7 +285,7 @@ def test_sliding_window_pallas_decode(window):
         assert_close(run(paged_decode_attention, q, k, v, meta, block_k=8, num_splits=num_splits), ref)
 
 
-@pytest.mark.parametrize("window", [2, 7, 30])
+@pytest.mark.parametrize("window", [7, extra(2), extra(30)])
 def test_sliding_window_pallas_extend(window):
     # Query tiles whose first rows' windows start in different KV blocks; a prefix longer than the window.
     q_lens, prefixes = [9, 1, 0, 12], [20, 4, 0, 0]

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -15,7 +16,7 @@ from jsgl.radix.radix_cache import RadixCache, TreeNode
 from jsgl.radix.schedule_policy import LPM_MAX_QUEUE, order_waiting
 
 SEQS = st.lists(st.integers(0, 2), min_size=0, max_size=9)  # tiny alphabet: lots of shared prefixes
-MACHINE_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=examples(100), stateful_step_count=40, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 import collections
 import random
 
+import conftest
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -511,16 +513,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         count("drained")
 
 
-SETTINGS = settings(max_examples=200, stateful_step_count=30, deadline=None,
+SETTINGS = settings(max_examples=examples(200), stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 def test_scheduler_state_machine() -> None:
-    """200 examples, then: every path the machine exists to exercise was taken at least once."""
+    """200 examples, then: every path the machine exists to exercise was taken at least once (the quick
+    loop runs 50 and checks the invariants only: 50 do not reliably reach every path)."""
     COUNTS.clear()
     run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
     missing = [name for name in REQUIRED if COUNTS[name] == 0]
-    assert not missing, f"paths never exercised: {missing} (counts: {dict(COUNTS)})"
+    assert conftest.QUICK or not missing, f"paths never exercised: {missing} (counts: {dict(COUNTS)})"
 
 
 # ------------------------------------------------------------------------------------ known bugs
