@@ -31,7 +31,7 @@ import statistics
 import time
 from typing import Any
 
-from jsgl.experiments.bench_json import SCHEMA, city_prompts
+from jsgl.experiments.bench_json import SCHEMA, city_prompts, timed_json_batch
 
 BACKENDS = ("jsgl", "llguidance")
 
@@ -96,25 +96,8 @@ def mask_cost(engine: Any, outputs: list[Any]) -> float:
 
 
 def decode_run(engine: Any, prompts: list[str], jump: bool) -> tuple[dict[str, Any], list[Any]]:
-    import jsonschema
-
-    params = {"json_schema": SCHEMA, "max_new_tokens": 160, "temperature": 0, "jump_forward": jump}
-    engine.flush_cache()  # every run prefills its prompts afresh
     before = engine.stats()["forward_passes"]
-    t0 = time.perf_counter()
-    handles = engine.submit_batch(prompts, [params] * len(prompts))
-    outs, latencies = [], []
-    for h in handles:
-        outs.append(h.result())
-        latencies.append(time.perf_counter() - t0)
-    wall = time.perf_counter() - t0
-    valid = 0
-    for o in outs:
-        try:
-            jsonschema.validate(json.loads(o.text), SCHEMA)
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
+    outs, latencies, wall, valid = timed_json_batch(engine, prompts, jump)
     tokens = sum(o.completion_tokens for o in outs)
     return {"tok_per_s": tokens / wall, "wall_s": wall, "p50_latency_s": statistics.median(latencies),
             "completion_tokens": tokens, "jumped_tokens": sum(o.jump_forward_tokens for o in outs),

@@ -111,6 +111,23 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
+def server(engine):
+    """A ServerThread over the module's `engine` (the session's, unless the module defines its own)."""
+    from jsgl.server.launch import ServerThread
+
+    with ServerThread(engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The official OpenAI client pointed at the module's server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
 def http(server):
     """An HTTP client of the module's `server` fixture (a ServerThread)."""
     import httpx

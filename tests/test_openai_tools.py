@@ -15,8 +15,6 @@ import openai
 import pytest
 from conftest import assert_server_no_leak
 
-from jsgl.engine.engine import Engine
-from jsgl.server.launch import ServerThread
 from jsgl.server.tool_calls import ToolCallParser
 
 MODEL = "smollm2-135m"
@@ -33,24 +31,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Get
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME["function"]["parameters"]}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = Engine(model=MODEL, kv_cache_gb=0.25, max_running_requests=32, chunked_prefill_size=256)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(engine) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat(oai, **kwargs):

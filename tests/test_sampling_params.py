@@ -23,7 +23,6 @@ from jsgl.engine.sampling_params import (
     expand_parallel_samples,
 )
 from jsgl.lang.ir import GenParams
-from jsgl.server.launch import ServerThread
 from jsgl.server.protocol import GenerateRequest, GenerateSamplingParams
 
 PROMPT = "The capital of France is"
@@ -221,12 +220,6 @@ def test_skip_special_tokens_and_spaces_between(engine, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------- over HTTP
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(engine) as srv:
-        yield srv
-
-
 def test_generate_http_n_stream_and_health(http, engine):
     body = {"text": PROMPT, "sampling_params": {**GREEDY, "n": 2, "min_new_tokens": 3, "stop_regex": [],
                                                 "repetition_penalty": 1.0, "sampling_seed": 1}}

@@ -37,17 +37,6 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(engine) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def regex_ok(engine):
     try:
         engine.submit("a", {"max_new_tokens": 1, "regex": "a"}).result(timeout=120)
