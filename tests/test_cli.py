@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
                   "--warmup", "1"], None),
     "bench soak": (["bench", "soak", "--duration", "2", "--warmup", "0.5", "--clients", "2"], None),
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
+    "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
+    "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
 }
 
 
@@ -79,7 +81,8 @@ def test_every_bench_in_the_readme_is_covered():
     names = set(re.findall(r"jsgl bench ([a-z_]+)", text))
     for line in re.findall(r"jsgl bench \w+\s+#.*also: ([\w, ]+)", text):
         names.update(n.strip() for n in line.split(","))
-    assert {"decode", "radix", "json", "llm_judge", "server", "api_spec", "tp", "soak", "validation"} <= names
+    assert {"decode", "radix", "json", "llm_judge", "server", "api_spec", "tp", "soak", "validation", "grammar",
+            "device"} <= names
     assert names <= {name.split()[1] for name in COMMANDS if name.startswith("bench ")}, names
 
 
@@ -150,3 +153,13 @@ def test_bench_soak(results):
 def test_bench_validation(results):
     out, _ = finished(results, "bench validation")
     assert "sglang client body" in out and "over HTTP" in out and "of a one-token request" in out
+
+
+def test_bench_grammar(results):
+    out, _ = finished(results, "bench grammar")
+    assert "mask+advance per token" in out and "valid outputs" in out
+
+
+def test_bench_device(results):
+    out, _ = finished(results, "bench device")
+    assert out.rstrip().endswith("all ok")

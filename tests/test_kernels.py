@@ -212,7 +212,7 @@ def _triton_modules(fn, *args):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kernels_lower_to_triton_ir(dtype):
     # Checks the compiled (non-interpret) path down to verified Triton IR with Llama-like head sizes.
-    # It does not run Triton's PTX compiler: that needs a GPU build of jaxlib (see experiments/gpu_check.py).
+    # It does not run Triton's PTX compiler: that needs a GPU build of jaxlib (see experiments/bench_device.py).
     batch, width, num_slots = 2, 256, 1024
     k = jax.ShapeDtypeStruct((8, num_slots, 128), dtype)
     for max_q_len in (1, 32):

@@ -8,17 +8,20 @@ re-run the user's main script in the child, and a fork of a process running JAX'
 deadlock). The child imports only `jsgl.fsm` (~0.3 s) and runs at SCHED_IDLE (build_worker).
 
 The parent mirrors a cancellation to the child, which stops at its guard's next check, and kills a child
-that overstays its deadline (a backstop: the guard's own checks answer first).
+that overstays its budget (a backstop: the guard's own checks answer first). The budget is CPU seconds the
+child used, not wall seconds: at idle priority a build on a busy machine mostly waits for a core.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import select
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from jsgl.errors import ConstraintBudgetError
@@ -27,7 +30,9 @@ from jsgl.fsm.token_index import TokenIndex
 from jsgl.fsm.vocab import VocabBytes
 
 POLL_S = 0.02  # how often the waiting parent looks for a cancellation
-KILL_GRACE_S = 5.0  # past its deadline by this much, a child is killed
+KILL_GRACE_S = 5.0  # past its deadline by this much (CPU seconds), a child is killed
+# ... or past this many times its budget in wall seconds: starved of CPU that long, the machine is saturated.
+WALL_BACKSTOP_FACTOR = 10
 
 
 # Idle priority before anything else, so the child's imports (~0.3 s of CPU) do not compete with serving
@@ -74,7 +79,7 @@ class BuildProcess:
         CancelledError, BuildPreempted)."""
         self.start()
         proc = self._proc
-        seconds = guard.deadline - time.monotonic()
+        seconds = guard.deadline - guard.clock()
         preempt = None if guard.preempt_at is None else max(guard.preempt_at - time.thread_time(), 0.0)
         send_vocab = vocab if self._fingerprint != vocab.fingerprint else None
         try:
@@ -83,14 +88,17 @@ class BuildProcess:
             self.stop()
             raise RuntimeError("the constraint build process died") from exc
         self._fingerprint = vocab.fingerprint
-        kill_at = time.monotonic() + seconds + KILL_GRACE_S
+        cpu_start = _cpu_seconds(proc.pid)
+        wall_kill_at = time.monotonic() + WALL_BACKSTOP_FACTOR * seconds + KILL_GRACE_S
         told = False
         # select() sees the pipe, not the reader's buffer: safe, as the child writes one reply per request.
         while not select.select([proc.stdout], [], [], POLL_S)[0]:
             if guard.cancelled.is_set() and not told:
                 self._send(("cancel",))
                 told = True
-            if time.monotonic() > kill_at or proc.poll() is not None:
+            cpu = _cpu_seconds(proc.pid)
+            over_cpu = cpu is not None and cpu_start is not None and cpu - cpu_start > seconds + KILL_GRACE_S
+            if over_cpu or time.monotonic() > wall_kill_at or proc.poll() is not None:
                 self.stop()
                 raise ConstraintBudgetError(
                     f"constraint build exceeded the server's time limit ({budget.max_build_seconds:g} s)")
@@ -104,6 +112,15 @@ class BuildProcess:
         if kind == "error":
             raise payload
         return payload
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used, from /proc (Linux); None where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 _local = threading.local()

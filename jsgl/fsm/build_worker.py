@@ -45,8 +45,8 @@ def main() -> None:
         cancelled.clear()  # a late cancel of the previous job was read before this job
         if vocab is not None:
             vocabs = {fingerprint: vocab}  # one tokenizer per server: keep only the latest
-        guard = BuildGuard(budget, cancelled, preempt_after=preempt_after)
-        guard.deadline = time.monotonic() + seconds  # what is left of the parent's deadline
+        guard = BuildGuard(budget, cancelled, preempt_after=preempt_after, clock=time.process_time)
+        guard.deadline = time.process_time() + seconds  # what is left of the parent's budget, in CPU seconds
         try:
             with guard.active():
                 t0 = time.perf_counter()

@@ -133,7 +133,9 @@ def _build(regex: str, tokenizer: Any, vocab_size: int | None, key: str, guard: 
     index = build_in_child(regex, vocab_bytes(tokenizer), vocab_size, guard.budget, guard)
     log.info("built FSM index for %d-char regex: %d states, %.1f MB in %.3fs", len(regex), index.num_states,
              index.nbytes / 1e6, index.build_seconds)
-    guard.check()  # released meanwhile: do not cache what nobody asked for any more
+    # Released meanwhile: do not cache what nobody asked for any more. (Not guard.check(): the time limit
+    # is the child's CPU, which it kept to; the parent's clock also counted the wait for a core.)
+    guard.check_cancelled()
     if disk_cache_enabled():
         _save(index, key)
     return index

@@ -1,8 +1,8 @@
 """Check the Pallas paged-attention kernels against the reference on a CUDA GPU, and time them.
 
-    python experiments/gpu_check.py                      # Llama-7B-like shapes on the GPU
-    python experiments/gpu_check.py --kv-heads 8 --dtypes bfloat16 --iters 50
-    python experiments/gpu_check.py --cpu-smoke          # tiny shapes, Pallas interpret mode, any machine
+    jsgl bench device                                     # Llama-7B-like shapes on the GPU
+    python experiments/bench_device.py --kv-heads 8 --dtypes bfloat16 --iters 50
+    python experiments/bench_device.py --cpu-smoke          # tiny shapes, Pallas interpret mode, any machine
 
 For every (kv heads, dtype) it builds a pool with shuffled (non-contiguous) slots and runs
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
         interpret = True
     elif backend != "gpu":
         print(
-            f"gpu_check: the default JAX backend is {backend!r} ({jax.devices()[0].device_kind}), not a GPU; "
+            f"bench device: the default JAX backend is {backend!r} ({jax.devices()[0].device_kind}), not a GPU; "
             "the compiled (Triton) kernels need a CUDA GPU. Run with --cpu-smoke for a tiny interpret-mode "
             "check.",
             file=sys.stderr,
