@@ -486,3 +486,96 @@ def test_starvation_guard_goes_first_in_arrival_order() -> None:
     reqs = [Req([9], 5.0), Req([8], 1.0), Req([1, 2, 3], 9.0), Req([7], 0.0)]
     out = order_waiting(reqs, "lpm", cache, now=10.0, starvation_s=6.0)
     assert [r.arrival_time for r in out] == [0.0, 1.0, 9.0, 5.0]
+
+
+# ---------------------------------------------------------------------------- radix details (mutation testing)
+
+
+def test_metrics_counters_and_lock_deltas() -> None:
+    """Hit/query counters, and what inc/dec_lock_ref return, against hand-counted values."""
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([1, 2, 4, 5], [0, 1, 3, 4])  # splits [1,2 | 3], adds [4,5]
+    slots, node = cache.match_prefix([1, 2, 4, 9])  # 4 looked up, 3 found
+    assert slots.tolist() == [0, 1, 3] and slots.dtype == np.int32
+    cache.match_prefix([7, 8])  # 2 looked up, none found
+    assert (cache.query_tokens_total, cache.hit_tokens_total) == (6, 3)
+    miss, _ = cache.match_prefix([9])
+    assert miss.dtype == np.int32 and len(miss) == 0
+    assert node.key.dtype == np.int32 and node.value.dtype == np.int32  # the documented node types
+    # node is [4] (split from [4,5]) under [1,2]: locking moves 1 + 2 tokens to protected.
+    assert cache.inc_lock_ref(node) == 3
+    assert cache.inc_lock_ref(node) == 0  # already locked: nothing moves
+    _, sibling = cache.match_prefix([1, 2, 3])
+    assert cache.inc_lock_ref(sibling) == 1  # only [3]: [1,2] is locked already
+    assert cache.dec_lock_ref(node) == 0
+    assert cache.dec_lock_ref(node) == 1  # [4]; [1,2] stays locked by sibling
+    assert cache.dec_lock_ref(sibling) == 3  # [3] and [1,2]
+    assert cache.evictable_size() == 5 and cache.protected_size() == 0
+
+
+def test_operation_times_accumulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each operation adds (end - start) of a fake clock that ticks 1 s per reading."""
+    import types
+
+    from jsgl.radix import radix_cache
+
+    ticks = iter(range(1000, 2000))
+    monkeypatch.setattr(radix_cache, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    cache = RadixCache()
+    cache.insert([1, 2], [0, 1])
+    cache.insert([3], [2])
+    cache.match_prefix([1, 2])
+    cache.match_prefix([3])
+    cache.match_prefix([4])
+    cache.evict(1)
+    cache.evict(5)
+    cache.evict(0)  # nothing asked: returns before timing anything
+    assert (cache.insert_time_s, cache.match_time_s, cache.evict_time_s) == (2.0, 3.0, 2.0)
+    assert cache.time_s == 7.0
+
+
+def test_insert_refreshes_recency_and_ending_inside_a_node_does_not_split() -> None:
+    freed: list[list[int]] = []
+    cache = RadixCache(free_slots=lambda s: freed.append(s.tolist()))
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([4], [3])
+    assert cache.insert([1, 2, 3], [5, 6, 7]) == 3  # re-inserting makes [1,2,3] the most recent
+    assert cache.evict(1) == 1 and freed == [[3]]  # [4] is the least recently used
+    assert cache.insert([1, 2], [8, 9]) == 2 and cache.num_nodes() == 1  # ends inside: no split
+    assert cache.evict(1) == 3 and freed[-1] == [0, 1, 2]
+    assert cache.evict(0) == 0 and cache.evicted_tokens_total == 4
+
+
+def test_error_messages() -> None:
+    cache = RadixCache()
+    with pytest.raises(ValueError, match="must be 1-D, got shape"):
+        cache.match_prefix([[1, 2]])
+    with pytest.raises(ValueError, match="same length"):
+        cache.insert([1, 2], [1])
+    cache.insert([1, 2], [0, 1])
+    _, node = cache.match_prefix([1, 2])
+    cache.inc_lock_ref(node)
+    with pytest.raises(RuntimeError, match="reset with 2 tokens locked"):
+        cache.reset()
+    cache.dec_lock_ref(node)
+    with pytest.raises(AssertionError, match="^dec_lock_ref on a node that is not locked$"):
+        cache.dec_lock_ref(node)
+    cache.evict(2)
+    with pytest.raises(ValueError, match=r"^node is not in this tree \(evicted, or from before a reset\)$"):
+        cache.inc_lock_ref(node)
+
+
+def test_format_tree_by_hand() -> None:
+    cache = RadixCache()
+    cache.insert(list(range(1, 10)), list(range(9)))  # t=1: a 9-token node
+    cache.insert(list(range(1, 18)), list(range(17)))  # t=2: touches it, adds an 8-token child
+    cache.insert([20], [17])  # t=3
+    _, node = cache.match_prefix(list(range(1, 10)))  # t=4
+    cache.inc_lock_ref(node)
+    assert cache.format_tree() == (
+        "root (evictable=9, protected=9)\n"
+        "  [1, 2, 3, 4, 5, 6, 7, 8]... len=9 lock=1 t=4\n"
+        "    [10, 11, 12, 13, 14, 15, 16, 17] len=8 lock=0 t=2\n"
+        "  [20] len=1 lock=0 t=3")
+    assert repr(node) == "TreeNode(len=9, lock_ref=1, t=4)"

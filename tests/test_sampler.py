@@ -159,3 +159,83 @@ def test_filters_on_shuffled_logits_follow_the_numpy_distribution(shuffled_logit
             assert_follows(tokens, target)
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from None
+
+
+# ------------------------------------------------------------- masks, bias, repetition penalty, logprobs
+
+
+def test_unpack_bitmask_matches_numpy_unpackbits():
+    from jsgl.engine.sampler import unpack_bitmask
+
+    words = np.random.default_rng(3).integers(0, 2**32, size=(3, 4), dtype=np.uint64).astype(np.uint32)
+    words[1] = [0xFFFFFFFF, 0, 0x80000001, 1]
+    expected = np.unpackbits(words.astype("<u4").view(np.uint8), axis=-1, bitorder="little")[:, :100]
+    got = np.asarray(jax.jit(unpack_bitmask, static_argnums=1)(jnp.asarray(words), 100))
+    assert got.dtype == np.bool_ and got.shape == (3, 100)
+    np.testing.assert_array_equal(got, expected.astype(bool))
+
+
+def test_penalty_bias_mask_and_logprobs_by_their_effect():
+    """Each row's greedy choice is worked out by hand; logprobs are of the model's raw distribution."""
+    vocab = 40
+    raw = np.tile(3.0 - 0.1 * np.arange(vocab, dtype=np.float32), (6, 1))  # token 0 best, then 1, 2, ...
+    raw[1] -= 10.0  # all negative
+    raw[5] -= 2.5  # token 0 at 0.5: between 0 and 1
+    scale = np.ones((6, vocab), np.float32)
+    scale[0, 0] = 4.0  # positive logit divided: 3.0 -> 0.75 < 2.9, so token 1
+    scale[1, 0] = 1.1  # negative logit multiplied: -7.0 -> -7.7 < -7.1, so token 1
+    scale[5, 0] = 4.0  # 0.5 -> 0.125 < 0.4: token 1
+    bias = np.zeros((6, vocab), np.float32)
+    bias[2, 7] = 1.0  # 2.3 + 1.0 > 3.0: token 7
+    allowed = np.ones((6, vocab), bool)
+    allowed[3] = np.isin(np.arange(vocab), [5, 35])  # token 5
+    allowed[4] = np.isin(np.arange(vocab), [33, 35])  # token 33: the second word of the mask
+    bits = np.zeros((6, 64), np.uint8)
+    bits[:, :vocab] = allowed
+    bitmask = np.packbits(bits, axis=-1, bitorder="little").view("<u4").astype(np.uint32)
+    expected = [1, 1, 7, 5, 33, 1]
+    log_softmax = raw.astype(np.float64) - np.log(np.exp(raw.astype(np.float64)).sum(-1, keepdims=True))
+    for greedy in (True, False):  # all-greedy batch, and the sampling path with temperature 0
+        s = inputs(6, vocab, all_greedy=greedy, temperature=np.zeros(6, np.float32), bitmask=bitmask,
+                   logit_bias=bias, repetition_scale=scale, top_logprobs=3)
+        tokens, token_lp, top_vals, top_ids = jax.jit(sample)(jnp.asarray(raw), s)
+        assert np.asarray(tokens).tolist() == expected
+        np.testing.assert_allclose(np.asarray(token_lp), log_softmax[np.arange(6), expected], atol=1e-5)
+        assert np.asarray(top_ids).tolist() == [[0, 1, 2]] * 6
+        np.testing.assert_allclose(np.asarray(top_vals), log_softmax[:, :3], atol=1e-5)
+    s = inputs(6, vocab, all_greedy=True, token_logprobs=False)
+    tokens, token_lp, top_vals, top_ids = jax.jit(sample)(jnp.asarray(raw), s)
+    assert np.asarray(tokens).tolist() == [0] * 6
+    assert token_lp.shape == (6,) and not np.asarray(token_lp).any()
+    assert top_vals.shape == (6, 0) and top_ids.shape == (6, 0) and top_ids.dtype == jnp.int32
+
+
+def test_top_k_one_and_min_p_one_with_tied_maxima():
+    """top_k=1 leaves only the best token; min_p=1 keeps every token tied with the best (p >= 1 * p_max)."""
+    logits = np.array([1.0, 3.0, 3.0, 0.0, 2.9], np.float32)
+    n = 400
+    s = inputs(2 * n, 5, need_sort=True, top_k=np.repeat(np.array([1, 5], np.int32), n),
+               min_p=np.repeat(np.array([0.0, 1.0], np.float32), n))
+    tokens = np.asarray(jax.jit(sample)(jnp.tile(jnp.asarray(logits), (2 * n, 1)), s)[0])
+    assert set(tokens[:n].tolist()) in ({1}, {2})  # whichever of the tie sorts first, alone
+    counts = np.bincount(tokens[n:], minlength=5)
+    assert counts[[0, 3, 4]].sum() == 0 and min(counts[1], counts[2]) > 150  # both tied tokens, ~1/2 each
+
+
+def test_bfloat16_logits_are_sampled_in_float32():
+    """Logprobs come from float32 arithmetic even when the model hands bfloat16 logits."""
+    raw = (np.arange(64, dtype=np.float32) % 7) * 0.5  # exact in bfloat16
+    tokens, token_lp, top_vals, _ = jax.jit(sample)(jnp.asarray(raw[None], jnp.bfloat16),
+                                                    inputs(1, 64, all_greedy=True, top_logprobs=2))
+    log_softmax = raw.astype(np.float64) - np.log(np.exp(raw.astype(np.float64)).sum())
+    assert int(tokens[0]) == 6 and token_lp.dtype == jnp.float32
+    np.testing.assert_allclose(float(token_lp[0]), log_softmax[6], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(top_vals[0]), log_softmax[[6, 13]], atol=1e-5)
+
+
+def test_argmax_of_a_row_with_nan_stays_a_valid_token():
+    x = np.zeros((2, 300), np.float32)
+    x[0, 5] = np.nan
+    x[1, 7] = 1.0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert 0 <= got[0] < 300 and got[1] == 7  # a NaN row (a broken model) must not index past the vocabulary
