@@ -20,6 +20,9 @@ def test_short_soak_loses_nothing_and_leaks_nothing():
     assert not report.leaks(), report.summary()
     kinds = {o.kind for o in report.outcomes}
     assert {"hostile", "disconnect", "abort", "regex", "json", "stream"} <= kinds, kinds
-    # After warm-up, memory may grow only by what new step compilations cost (bounded by the buckets).
+    # After warm-up, memory may grow only by what new step compilations cost (bounded by the buckets): each
+    # compiled step is ~8-17 MB of host memory here (the long soak: +47 MB for 6; one short run +152 MB for 9),
+    # so the allowance scales with the signatures compiled after warm-up, plus 60 MB of allocator slack.
     grown = report.rss_end_mb - report.rss_warm_mb
-    assert grown < 150, report.summary()
+    new_signatures = report.server_info.get("compiles", 0) - report.compiles_warm
+    assert grown < 60 + 20 * new_signatures, report.summary()
