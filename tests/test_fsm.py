@@ -15,6 +15,7 @@ from functools import cache, lru_cache
 import interegular
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from interegular.fsm import anything_else
@@ -176,7 +177,7 @@ EOS = 2
 
 @pytest.mark.parametrize("name", PATTERNS, ids=["ip", "date", "person", "literals", "chinese", "cjk_range",
                                                 "free_text", "nested"])
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_tokenized_matches_walk_and_masks_are_exact(name: str, data) -> None:
     pattern = nested_json_regex() if name == "NESTED" else name

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import jsonschema
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
@@ -148,7 +149,7 @@ def schema_fsm(name: str, whitespace: str | None):
 @pytest.mark.parametrize(("name", "whitespace"), [
     ("person", None), ("person", ""), ("person", r"[ \n]?"), ("person", r"[ \n]*"), ("raw", None), ("raw", r"[ \n]*"),
 ], ids=["person-dumps", "person-compact", "person-ws?", "person-indent", "raw-dumps", "raw-indent"])
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), ascii_only=st.booleans())
 def test_valid_instances_fullmatch(name: str, whitespace: str | None, seed: int, ascii_only: bool) -> None:
     import re
@@ -172,7 +173,7 @@ def _mutations(inst: dict, rnd: random.Random) -> list[Any]:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_regex_only_accepts_valid_documents(name: str, seed: int) -> None:
     """Soundness: whatever the regex accepts is schema-valid, checked on mutated instances."""

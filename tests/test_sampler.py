@@ -149,6 +149,7 @@ def shuffled_logits():
     return logits
 
 
+@pytest.mark.slow  # 20,000 draws per case (~3 s): the full suite
 def test_filters_on_shuffled_logits_follow_the_numpy_distribution(shuffled_logits):
     names = list(FILTER_CASES)
     draws = sample_filtered(shuffled_logits, [FILTER_CASES[k] for k in names], DRAWS)
