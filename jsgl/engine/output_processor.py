@@ -93,11 +93,16 @@ class OutputProcessor:
                 seq.output_top_logprobs.append([(float(v), int(t)) for v, t in zip(vals[i][:k], ids[i][:k])])
         if seq.constraint is not None and token not in seq.stop_ids:
             seq.constraint.advance(token)
-        self._check_finish(seq, token)
-        if not seq.finished and seq.constraint is not None:
-            self.constraints.maybe_jump(seq, self.max_context)
-            if seq.detok.matched_stop is not None:
-                seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
+        # Both detokenize (the jump's forced tokens too), so a stop_regex too slow to search can surface in
+        # either: it is this request's fault, never the step's.
+        try:
+            self._check_finish(seq, token)
+            if not seq.finished and seq.constraint is not None:
+                self.constraints.maybe_jump(seq, self.max_context)
+                if seq.detok.matched_stop is not None:
+                    seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
+        except InvalidRequestError as exc:
+            seq.finish_reason, seq.abort_reason, seq.error = FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc)
         return True
 
     def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
@@ -128,12 +133,7 @@ class OutputProcessor:
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, token
             seq.detok.add(seq.output_ids if p.no_stop_trim else seq.output_ids[:-1])
             return
-        try:
-            stopped = seq.detok.add(seq.output_ids)
-        except InvalidRequestError as exc:  # a stop_regex too slow to search: this request's fault
-            seq.finish_reason, seq.abort_reason, seq.error = FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc)
-            return
-        if stopped:
+        if seq.detok.add(seq.output_ids):
             seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
         elif seq.constraint is not None and seq.constraint.is_terminated():
             seq.finish_reason = FinishReason.STOP
