@@ -6,9 +6,11 @@
   bit, at 1-4 rows with the block scales folded out of the inner sum). XLA's CPU dot repacks
   its weight operand on every call, which at the 1-16 rows of a decode step costs about as much as the
   multiply (a chain of [16, 576] x [576, 1536] products: XLA ~185 GFLOP/s, packed float32 ~330).
-* :func:`cpu_paged_attention`: the ``"cpu"`` attention backend. Decode and short extends (jump-forward) read
-  each request's K/V rows in place from the pool instead of gathering a copy; prefill, and every step of a
-  layer with a sliding window (the kernel does not mask one), use the native path.
+* :func:`cpu_paged_attention`: the ``"cpu"`` attention backend, for every step: each request's K/V rows are read
+  in place from the pool instead of gathered into a padded copy (decode and short extends one token at a time;
+  prefill chunks as flash attention over blocks of 16 tokens and 16 keys), so its cost follows the batch's real
+  lengths, not its padded [requests, new tokens, attended length] shape. A layer with a sliding window (the
+  kernel does not mask one) uses the native path.
   Its fused form :func:`cpu_rope_write_attention` also applies RoPE and writes the new K/V (the model's path).
 
 The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
@@ -50,9 +52,6 @@ _SOURCES = [Path(__file__).with_name(name)
             for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h")]
 _TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention",
             "jsgl_rope_write_attention")
-# Extend steps of at most this many new tokens per request (jump-forward) use the kernel too; longer ones
-# (prefill) the native path, since the kernel reads a request's K/V rows once per new token.
-MAX_KERNEL_EXTEND = 16
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
 _lock = threading.Lock()
 _status: dict[str, object] = {}
@@ -226,7 +225,7 @@ def attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
 
 def _kernel_serves(q: jax.Array, k_pool: jax.Array, meta: AttentionMetadata) -> bool:
     # The C++ kernels have no sliding window: windowed layers take the native path, which masks it.
-    return (meta.max_q_len <= MAX_KERNEL_EXTEND and meta.sliding_window is None
+    return (meta.sliding_window is None
             and attention_supported(q.shape[1], k_pool.shape[0], q.shape[2]))
 
 
