@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests run first, untimed, so that compiles stay out of the figures "
                              "(default: two waves at full concurrency)")
     parser.add_argument("--kv-cache-gb", type=float, default=0.5, help="for a launched server")
+    parser.add_argument("--precompile", choices=["off", "common", "all"], default="common",
+                        help="a launched server's step shapes compiled at start (as `jsgl serve` does by default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         from jsgl.server.launch import launch_server_process
 
         server = launch_server_process(model=args.model, api_key=args.api_key, kv_cache_gb=args.kv_cache_gb,
-                                       max_running_requests=max(args.concurrency, 8))
+                                       max_running_requests=max(args.concurrency, 8), precompile=args.precompile)
         url = server.url
     try:
         endpoints = ["generate", "completions"] if args.endpoint == "both" else [args.endpoint]

@@ -19,6 +19,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "attention_backend": ["auto", "native", "pallas", "cpu"],
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
         "grammar_backend": ["jsgl", "llguidance"],
+        "precompile": ["off", "common", "all"],
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="uvicorn: idle keep-alive seconds")
     serve.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn: open connections (503 beyond)")
     add_engine_args(serve)
+    serve.set_defaults(precompile="common")  # a server pays its compiles at start, not on users' first requests
     bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
     bench.add_argument("which", help="e.g. decode, radix, json, server")
     return parser

@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench llm_judge": (["bench", "llm_judge", "--num-essays", "1", "--dims", "2", "--judge-tokens", "2",
                          "--configs", "on/on", "--repeat", "1", "--no-warmup"], None),
     "bench server": (["bench", "server", "--num-requests", "2", "--concurrency", "2", "--max-tokens", "4",
-                      "--warmup", "0", "--prompt-words", "4", "8"], None),
+                      "--warmup", "0", "--prompt-words", "4", "8", "--precompile", "off"], None),
     "bench api_spec": (["bench", "api_spec", "--num-programs", "2", "--threads", "2",
                         "--num-api-spec-tokens", "16"], None),
     "bench tp": (["bench", "tp", "--tps", "1,2", "--batch", "2", "--context", "8", "--steps", "2",

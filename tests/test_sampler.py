@@ -7,15 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsgl.engine.sampler import SamplingInputs, argmax, sample
+from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs, argmax, sample, stage_flags
 
 
 def inputs(batch: int, vocab: int, **overrides) -> SamplingInputs:
     fields = dict(temperature=np.ones(batch, np.float32), top_p=np.ones(batch, np.float32),
                   top_k=np.full(batch, vocab, np.int32), min_p=np.zeros(batch, np.float32),
-                  seeds=np.arange(batch, dtype=np.uint32), steps=np.zeros(batch, np.int32), all_greedy=False)
+                  seeds=np.arange(batch, dtype=np.uint32), steps=np.zeros(batch, np.int32))
+    flags = {"all_greedy": False} | {name: overrides.pop(name) for name in FLAG_NAMES if name in overrides}
     fields.update(overrides)
-    return SamplingInputs(**fields)
+    return SamplingInputs(**fields, flags=stage_flags(**flags))
 
 
 def test_argmax_is_the_first_maximum():

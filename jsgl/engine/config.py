@@ -24,6 +24,9 @@ class EngineConfig:
     # Constrained decoding: jsgl's compressed FSM (regex, JSON schema; jump-forward) or llguidance (also
     # SGLang's `ebnf` grammars and schemas our regex conversion does not cover).
     grammar_backend: str = "jsgl"  # jsgl | llguidance
+    # Compile the step shapes this configuration can produce at start (ModelRunner.planned_signatures):
+    # off | common (generation: decode and extend buckets) | all (also prompt-logprob extends).
+    precompile: str = "off"
     seed: int = 0  # seeds requests that do not bring their own
     tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)
     # Per-request limits (one request must not slow or break the others; cf. vLLM's --max-logprobs).
@@ -35,6 +38,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.grammar_backend not in ("jsgl", "llguidance"):
             raise ValueError(f"grammar_backend must be jsgl or llguidance, not {self.grammar_backend!r}")
+        if self.precompile not in ("off", "common", "all"):
+            raise ValueError(f"precompile must be off, common or all, not {self.precompile!r}")
         if self.prefix_cache not in ("radix", "flat", "none"):
             raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
         if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 16:

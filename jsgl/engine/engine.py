@@ -57,6 +57,7 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **options: Any):
         self.config = config or EngineConfig(model=model, **options)
         cfg = self.config
+        started = time.perf_counter()
         enable_compilation_cache()
         self.model_config, np_params = load_model(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -73,14 +74,15 @@ class Engine:
                                   attention_backend=cfg.attention_backend, matmul_backend=matmul,
                                   weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
                                   max_context=self.max_context,
-                                  tp=cfg.tp)
+                                  tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs)
         del np_params
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
             self.allocator, self.prefix_cache, max_running=cfg.max_running_requests,
             chunk_size=cfg.chunked_prefill_size, max_context=self.max_context,
             attention_budget_bytes=int(cfg.attention_budget_gb * (1 << 30)),
-            attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting())
+            attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
+            padded_attention=not self.runner.ragged)
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -98,8 +100,21 @@ class Engine:
         self._reset_hit_rate_window()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
+        self.startup_s = {"precompile": self._precompile(), "total": time.perf_counter() - started}
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
         self._thread.start()
+
+    def _precompile(self) -> float:
+        """Compile the planned step shapes before the first request (``EngineConfig.precompile``)."""
+        plan = self.runner.planned_signatures(self.config.precompile, self.config.max_running_requests,
+                                              self.config.chunked_prefill_size)
+        if not plan:
+            return 0.0
+        t0 = time.perf_counter()
+        self.runner.precompile(plan)
+        seconds = time.perf_counter() - t0
+        log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), self.config.precompile, seconds)
+        return seconds
 
     # --------------------------------------------------------------------------- extension points
     def _make_prefix_cache(self) -> PrefixCacheBase:
@@ -224,6 +239,8 @@ class Engine:
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
+            "unplanned_compiles": self.runner.unplanned_compiles, "startup_s": self.startup_s["total"],
+            "precompile_s": self.startup_s["precompile"],
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
             "mean_batch_size": s.batched_requests / s.steps if s.steps else 0.0,
             "decode_time_s": self.step_time["decode"], "extend_time_s": self.step_time["extend"],

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.kv_pool import allocate_pool
-from jsgl.engine.sampler import SamplingInputs, sample
+from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs, sample, stage_flags
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, resolve_attention_backend
 from jsgl.model.config import ModelConfig
@@ -92,8 +92,10 @@ def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sa
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
-                 max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1):
+                 max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
+                 max_top_logprobs: int = 20):
         self.config = config
+        self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
         # Under tensor parallelism attention and matmuls stay XLA's (it partitions them by the shardings).
         self.attention_backend = "native" if tp > 1 and attention_backend == "auto" else \
             resolve_attention_backend(attention_backend)
@@ -118,8 +120,17 @@ class ModelRunner:
         if self.matmul_backend != "xla":
             params = with_packed_weights(params, weight_blocks if self.matmul_backend == "gguf" else None)
         self.params = params
+        # Ragged attention (the CPU kernel on every layer) reads each request's lengths from the metadata: the
+        # padded attention shape then costs nothing, so a step's signature drops the longest chunk and the
+        # attended length (the block table is always `table_width` wide; ~0.4 ms a step at 64 x 8192).
+        self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None
+        self.table_width = bucket(min(self.max_context, num_slots), 64)
         self.compiles = 0
+        self.unplanned_compiles = 0  # signatures met while serving that precompile() had not built
         self._signatures: set[tuple] = set()
+        self._precompiled = False
+        self._defaults: dict[tuple[str, int], jax.Array] = {}  # neutral mask/bias/scale per batch bucket
+        self._executables: dict[tuple, Any] = {}  # signature -> the step compiled ahead of time (precompile)
         self._step = jax.jit(
             functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
                               tp=self.tp),
@@ -137,9 +148,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:
-        """Size of the padded attention scores of an extend batch (the scheduler bounds it)."""
+        """Size of the padded attention scores of an extend batch (the scheduler bounds it); 0 where
+        attention is ragged and pads nothing."""
+        if self.ragged:
+            return 0
         return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
                 * bucket(max_len, 64) * 4)
+
+    def step_shape(self, num_items: int, total_new: int, max_new: int, max_len: int,
+                   is_decode: bool) -> tuple[int, int, int, int]:
+        """The padded (tokens T, requests B, new tokens per request S, attended length L) of a batch.
+
+        Decode: B = T over power-of-two request counts. Extend: T over powers of two from 16; B from 8
+        (its rows cost one lm_head product each: padding 9 requests to 16 adds ~1% to a 16-token step, and
+        halves the extend signatures). Ragged attention: S = T and L fixed, so (T, B) is the signature."""
+        num_b = bucket(num_items) if is_decode else bucket(num_items, 8)
+        num_t = num_b if is_decode else bucket(total_new, 16)
+        if self.ragged and max_len <= self.table_width:
+            return num_t, num_b, 1 if is_decode else num_t, self.table_width
+        return num_t, num_b, 1 if is_decode else bucket(max_new, 16), bucket(max_len, 64)
 
     def run(self, items: list[ForwardItem], *, logprobs: bool = True, top_logprobs: int = 0,
             prompt_top_k: int = -1) -> StepOutput:
@@ -149,10 +176,8 @@ class ModelRunner:
         is_decode = all(len(it.token_ids) == 1 for it in items) and prompt_top_k < 0
         q_lens = np.array([len(it.token_ids) for it in items], np.int32)
         kv_lens = np.array([it.start_pos + len(it.token_ids) for it in items], np.int32)
-        num_b = bucket(n)
-        max_q = 1 if is_decode else bucket(int(q_lens.max()), 16)
-        num_t = num_b if is_decode else bucket(int(q_lens.sum()), 16)
-        max_l = bucket(int(kv_lens.max()), 64)
+        num_t, num_b, max_q, max_l = self.step_shape(n, int(q_lens.sum()), int(q_lens.max()), int(kv_lens.max()),
+                                                     is_decode)
 
         token_ids = np.zeros(num_t, np.int32)
         write_slots = np.zeros(num_t, np.int32)  # padding writes land in reserved slot 0
@@ -178,25 +203,105 @@ class ModelRunner:
             offset += m
         meta = AttentionMetadata(positions, q_start, q_len, block_table, lens, max_q)
         sampling = self._sampling_inputs(items, num_b, top_logprobs, logprobs)
-
-        signature = (num_t, num_b, max_q, max_l, sampling.all_greedy, sampling.need_sort, top_logprobs, logprobs,
-                     sampling.bitmask is not None, sampling.logit_bias is not None,
-                     sampling.repetition_scale is not None, prompt_top_k)
-        if signature not in self._signatures:
-            self._signatures.add(signature)
-            self.compiles += 1
-        self.kv, out = self._step(self.params, self.kv, token_ids, write_slots, meta, sample_index,
-                                  target_ids, sampling, prompt_top_k=prompt_top_k)
+        # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
+        prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
+        signature = (num_t, num_b, max_q, max_l, prompt_k)
+        self._count_signature(signature)
+        args = (self.params, self.kv, token_ids, write_slots, meta, sample_index, target_ids, sampling)
+        compiled = self._executables.get(signature)
+        self.kv, out = compiled(*args) if compiled is not None else self._step(*args, prompt_top_k=prompt_k)
         out = jax.device_get(out)
         result = StepOutput(out["tokens"][:n], out["logprobs"][:n] if logprobs else None,
-                            (out["top_vals"][:n], out["top_ids"][:n]) if top_logprobs else None)
+                            (out["top_vals"][:n, :top_logprobs], out["top_ids"][:n, :top_logprobs])
+                            if top_logprobs else None)
         if prompt_top_k >= 0:
             spans = [slice(q_start[b], q_start[b] + q_len[b]) for b in range(n)]
             result.prompt_logprobs = [out["prompt_logprobs"][s] for s in spans]
             if prompt_top_k > 0:
-                result.prompt_top_logprobs = [(out["prompt_top_vals"][s], out["prompt_top_ids"][s])
-                                              for s in spans]
+                result.prompt_top_logprobs = [(out["prompt_top_vals"][s, :prompt_top_k],
+                                               out["prompt_top_ids"][s, :prompt_top_k]) for s in spans]
         return result
+
+    def planned_signatures(self, mode: str, max_running: int, chunk_size: int) -> list[tuple]:
+        """The step signatures a configuration produces, for ``precompile(mode)``.
+
+        ``common``: every decode batch bucket up to ``max_running``, and every extend (tokens up to the
+        chunk size, requests up to ``max_running``): all that plain generation, constrained or sampled, can
+        meet. ``all``: also the extends that return prompt logprobs (``select``, ``logprob_start_len``). With
+        padded attention (native, Pallas, tensor parallel) the attended length multiplies the set, so only
+        decode at each length bucket is planned; extends compile on first use. Jump-forward extends of
+        more tokens than a chunk (many running requests jumping at once) are not planned either."""
+        if mode == "off":
+            return []
+        batch_buckets = [1 << i for i in range(bucket(max_running).bit_length())]
+        token_buckets = [16 << i for i in range(max(bucket(chunk_size, 16) // 16, 1).bit_length())]
+        lengths = [self.table_width] if self.ragged else \
+            [64 << i for i in range(max(self.table_width // 64, 1).bit_length())]
+        plan = [(b, b, 1, length, -1) for b in batch_buckets for length in lengths]
+        if not self.ragged:
+            return plan
+        extends = sorted({self.step_shape(b, t, t, self.table_width, False)
+                          for t in token_buckets for b in batch_buckets if b <= t})
+        prompt_ks = [-1, self.max_top_logprobs] if mode == "all" else [-1]
+        return plan + [(*shape, k) for k in prompt_ks for shape in extends]
+
+    def precompile(self, signatures: list[tuple]) -> None:
+        """Compile each signature ahead of time (XLA's persistent cache makes a restart's compiles loads);
+        ``run`` then dispatches to them, and counts a signature met outside them as unplanned."""
+        for signature in signatures:
+            if signature not in self._executables:
+                self._executables[signature] = self._step.lower(*self._abstract_args(signature),
+                                                                prompt_top_k=signature[4]).compile()
+                self._count_signature(signature)
+        self._precompiled = True
+
+    def _abstract_args(self, signature: tuple) -> tuple:
+        num_t, num_b, max_q, max_l, _ = signature
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        flags = jax.ShapeDtypeStruct((len(FLAG_NAMES),), jnp.bool_)
+        vocab = self.config.vocab_size
+        meta = AttentionMetadata(i32(num_t), i32(num_b), i32(num_b), i32(num_b, max_l), i32(num_b), max_q)
+        sampling = SamplingInputs(f32(num_b), f32(num_b), i32(num_b), f32(num_b),
+                                  jax.ShapeDtypeStruct((num_b,), jnp.uint32), i32(num_b),
+                                  jax.ShapeDtypeStruct((num_b, -(-vocab // 32)), jnp.uint32), f32(num_b, vocab),
+                                  f32(num_b, vocab), flags, top_logprobs=self.max_top_logprobs)
+        return self.params, self.kv, i32(num_t), i32(num_t), meta, i32(num_b), i32(num_t), sampling
+
+    def _count_signature(self, signature: tuple) -> None:
+        if signature in self._signatures:
+            return
+        self._signatures.add(signature)
+        self.compiles += 1
+        if self._precompiled:
+            self.unplanned_compiles += 1
+            log.info("compiling a step shape precompile did not cover: (tokens, requests, new per request, "
+                     "attended, prompt top-k) = %s", signature)
+
+    def _neutral(self, kind: str, num_b: int) -> jax.Array:
+        """A device array that leaves the logits unchanged (kept, so a step without masks, biases or
+        penalties uploads none); its stage is also switched off by a flag."""
+        key = (kind, num_b)
+        if key not in self._defaults:
+            vocab = self.config.vocab_size
+            self._defaults[key] = jnp.asarray({
+                "bitmask": lambda: np.full((num_b, -(-vocab // 32)), 0xFFFFFFFF, np.uint32),
+                "logit_bias": lambda: np.zeros((num_b, vocab), np.float32),
+                "repetition_scale": lambda: np.ones((num_b, vocab), np.float32)}[kind]())
+        return self._defaults[key]
+
+    def _rows(self, items: list[ForwardItem], num_b: int, kind: str, fill: float | int, dtype: Any,
+              width: int) -> tuple[Any, bool]:
+        """[num_b, width] of each item's ``kind`` array (``fill`` where it has none), or the neutral device
+        array when no item has one; and whether any did."""
+        if all(getattr(it, kind) is None for it in items):
+            return self._neutral(kind, num_b), False
+        rows = np.full((num_b, width), fill, dtype)
+        for b, it in enumerate(items):
+            value = getattr(it, kind)
+            if value is not None:
+                rows[b] = value
+        return rows, True
 
     def _sampling_inputs(self, items: list[ForwardItem], num_b: int, top_logprobs: int,
                          logprobs: bool) -> SamplingInputs:
@@ -211,25 +316,14 @@ class ModelRunner:
             temperature[b], top_p[b], min_p[b] = it.temperature, it.top_p, it.min_p
             top_k[b] = vocab if it.top_k < 0 else min(it.top_k, vocab)
             seeds[b], steps[b] = it.seed & 0xFFFFFFFF, it.step
-        bitmask = logit_bias = None
-        if any(it.bitmask is not None for it in items):
-            bitmask = np.full((num_b, -(-vocab // 32)), 0xFFFFFFFF, np.uint32)
-            for b, it in enumerate(items):
-                if it.bitmask is not None:
-                    bitmask[b] = it.bitmask
-        if any(it.logit_bias is not None for it in items):
-            logit_bias = np.zeros((num_b, vocab), np.float32)
-            for b, it in enumerate(items):
-                if it.logit_bias is not None:
-                    logit_bias[b] = it.logit_bias
-        repetition_scale = None
-        if any(it.repetition_scale is not None for it in items):
-            repetition_scale = np.ones((num_b, vocab), np.float32)
-            for b, it in enumerate(items):
-                if it.repetition_scale is not None:
-                    repetition_scale[b] = it.repetition_scale
+        bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
+        logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
+        repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
         sampled = temperature > 1e-5
         need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
+        if top_logprobs > self.max_top_logprobs:
+            raise ValueError(f"top_logprobs {top_logprobs} > the runner's max_top_logprobs {self.max_top_logprobs}")
+        flags = stage_flags(all_greedy=not sampled.any(), need_sort=need_sort, token_logprobs=logprobs,
+                            apply_mask=masked, apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
         return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias, repetition_scale,
-                              all_greedy=not sampled.any(), need_sort=need_sort, top_logprobs=top_logprobs,
-                              token_logprobs=logprobs)
+                              flags, top_logprobs=self.max_top_logprobs)

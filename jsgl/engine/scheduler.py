@@ -56,7 +56,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, prefix_cache: PrefixCacheBase | None, *, max_running: int,
                  chunk_size: int, max_context: int, attention_budget_bytes: int,
-                 attention_bytes: Any, order_waiting: Any | None = None):
+                 attention_bytes: Any, order_waiting: Any | None = None, padded_attention: bool = True):
         self.allocator = allocator
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.max_running = max_running
@@ -66,6 +66,8 @@ class Scheduler:
         self.token_limit = min(max_context, allocator.capacity)
         self.attention_budget_bytes = attention_budget_bytes
         self.attention_bytes = attention_bytes  # (num_items, max_new, max_len) -> bytes
+        # False: attention costs the batch's real lengths (ragged kernel), so chunks of any lengths mix.
+        self.padded_attention = padded_attention
         self.order_waiting = order_waiting  # policy hook: list[Sequence] -> list[Sequence]
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
@@ -168,7 +170,7 @@ class Scheduler:
             # Attention is padded to [requests, longest chunk]: a short extend next to a long chunk
             # would pay for the long one, so such mixes wait for the next step.
             padded_rows = bucket(items) * bucket(max_new, 16)
-            if padded_rows > PADDING_FACTOR * bucket(sum(chunks) + chunk, 16):
+            if self.padded_attention and padded_rows > PADDING_FACTOR * bucket(sum(chunks) + chunk, 16):
                 return False
             return self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
 

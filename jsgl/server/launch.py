@@ -107,7 +107,11 @@ def _engine_flags(engine_kwargs: dict[str, Any]) -> list[str]:
 def launch_server_process(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int | None = None,
                           api_key: str | None = None, timeout: float = 600.0, log_path: str | None = None,
                           env: dict[str, str] | None = None, **engine_kwargs: Any) -> ServerProcess:
-    """Start `jsgl serve` in a subprocess and return once it is healthy (engine kwargs become flags)."""
+    """Start `jsgl serve` in a subprocess and return once it is healthy (engine kwargs become flags).
+
+    Unlike `jsgl serve`, the server compiles step shapes on first use unless ``precompile=`` is given: a
+    harness's short-lived servers would spend most of their life precompiling."""
+    engine_kwargs.setdefault("precompile", "off")
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "jsgl.cli", "serve", "--model", model, "--host", host, "--port", str(port),
            *_engine_flags(engine_kwargs)]

@@ -1,0 +1,85 @@
+"""Step shapes compiled at engine start: the planned set covers every batch the scheduler can form, and a
+precompiled engine serves a mixed workload without compiling, with the same outputs as one that compiles
+as it goes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jsgl.engine.engine import Engine
+
+MAX_RUNNING, CHUNK = 8, 64
+
+
+@pytest.fixture(scope="module")
+def precompiled():
+    engine = Engine(precompile="all", max_running_requests=MAX_RUNNING, chunked_prefill_size=CHUNK,
+                    kv_cache_gb=0.25)
+    yield engine
+    engine.shutdown()
+
+
+def test_planned_signatures_cover_every_batch(precompiled):
+    """Any decode batch of up to max_running requests, and any extend batch of up to a chunk of new tokens
+    (prompt logprobs or not), maps to a planned signature (hypothesis over request counts and lengths)."""
+    runner = precompiled.runner
+    assert runner.ragged  # the CPU kernels attend on every layer of the default model
+    plan = set(runner.planned_signatures("all", MAX_RUNNING, CHUNK))
+    common = set(runner.planned_signatures("common", MAX_RUNNING, CHUNK))
+    assert common < plan and not runner.planned_signatures("off", MAX_RUNNING, CHUNK)
+
+    @settings(max_examples=examples(200), deadline=None)
+    @given(st.data())
+    def check(data):
+        n = data.draw(st.integers(1, MAX_RUNNING))
+        decode = data.draw(st.booleans())
+        new = [1] * n if decode else data.draw(
+            st.lists(st.integers(1, CHUNK), min_size=n, max_size=n).filter(lambda xs: sum(xs) <= CHUNK))
+        lengths = [data.draw(st.integers(q, runner.table_width)) for q in new]
+        shape = runner.step_shape(n, sum(new), max(new), max(lengths), decode)
+        assert (*shape, -1) in (common if decode else common & plan)
+        if not decode:
+            assert (*shape, runner.max_top_logprobs) in plan
+
+    check()
+
+
+def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompiled):
+    """Decode at batch 1 and 8, few-shot prompts sharing a prefix, a regex, sampling with top-p, a logit
+    bias, a repetition penalty, token and prompt logprobs: nothing compiles while serving, and the greedy
+    outputs equal those of an engine that compiles each shape on first use (precompile off)."""
+    engine = precompiled
+    planned = engine.stats()["compiles"]
+    assert planned == len(engine.runner.planned_signatures("all", MAX_RUNNING, CHUNK))
+    assert engine.stats()["precompile_s"] > 0
+    shots = "Q: What is 2 + 2?\nA: 4\nQ: What is the capital of Italy?\nA: Rome\n" * 3
+    work = [("The capital of France is", {"max_new_tokens": 12})]
+    work += [(shots + f"Q: What is {i} + {i}?\nA:", {"max_new_tokens": 2}) for i in range(6)]
+    work += [
+        ("A person as JSON:", {"max_new_tokens": 40, "regex": r'\{"name": "[A-Z][a-z]{1,8}", "age": [1-9][0-9]\}'}),
+        ("List three colors:", {"max_new_tokens": 10, "repetition_penalty": 1.3, "logit_bias": {"11": 2.0}}),
+        ("Count: one, two,", {"max_new_tokens": 6, "return_logprob": True, "top_logprobs_num": 3,
+                              "logprob_start_len": 0}),
+    ]
+    prompts, params = [p for p, _ in work], [q for _, q in work]
+    outs = engine.generate(prompts, params, progress=False)
+    engine.generate([f"Story {i}:" for i in range(8)], {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9},
+                    progress=False)  # sampled, filtered, batch 8
+    stats = engine.stats()
+    assert stats["unplanned_compiles"] == 0 and stats["compiles"] == planned
+
+    reference = Engine(max_running_requests=MAX_RUNNING, chunked_prefill_size=CHUNK, kv_cache_gb=0.25)
+    try:
+        want = reference.generate(prompts, params, progress=False)
+    finally:
+        reference.shutdown()
+    assert [o.text for o in outs] == [o.text for o in want]
+    got, ref = outs[-1], want[-1]
+    np.testing.assert_allclose(got.output_logprobs, ref.output_logprobs, atol=1e-4)
+    np.testing.assert_allclose(got.input_logprobs[1:], ref.input_logprobs[1:], atol=1e-4)
+    assert [[t for _, t in top] for top in got.output_top_logprobs] == \
+        [[t for _, t in top] for top in ref.output_top_logprobs]
