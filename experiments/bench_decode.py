@@ -8,6 +8,11 @@ jsgl runs with each set of kernels: ``gguf`` (the default on CPU: matmuls over t
 blocks, dequantized exactly in cache, and in-place paged decode attention), ``packed`` (the same kernels over
 float32 weight panels) and ``xla`` (XLA's dot and the native attention: the ablation).
 The floor of one decode step is (bytes of weights read + bytes of KV attended) / measured read bandwidth.
+
+What each time includes: ``ms/step`` is the engine's decode step (schedule, build inputs, the jitted step,
+read back, fold in the tokens); ``e2e ms`` is a whole generate of the batch with its prompts cached, divided by
+its steps (also submission, detokenizing, the caller's wake-ups); ``bare ms`` is the jitted decode step alone,
+called with one step's inputs already built and its tokens read back. ``e2e/bare`` is the engine's overhead.
 """
 
 from __future__ import annotations
@@ -84,9 +89,42 @@ class JsglRun:
 
     def warm(self, prompts: list[str], params: dict) -> None:
         self.engine.generate(prompts, params, progress=False)  # compiles every bucket this batch uses
+        self._capture_decode_step(prompts, params)
+
+    def _capture_decode_step(self, prompts: list[str], params: dict) -> None:
+        """Keep the arguments of one decode step of this batch, for `bare_ms`."""
+        runner, captured = self.engine.runner, []
+
+        def spy(*args, **kwargs):
+            if kwargs["layout"].max_q == 1 and not captured:
+                captured.append((list(args), kwargs))
+            return step(*args, **kwargs)
+
+        step, runner._step = runner._step, spy
+        try:
+            self.engine.generate(prompts, {**params, "max_new_tokens": 3}, progress=False)
+        finally:
+            runner._step = step
+        self.decode_call = captured[0]
+
+    def bare_ms(self, steps: int) -> float:
+        """The bare decode step: the jitted step called with one decode step's inputs already built (host
+        arrays, as the engine passes them) and the sampled tokens read back; median of ``steps`` calls.
+        Its K/V writes land in slots a later flush_cache frees: call it just before one."""
+        runner = self.engine.runner
+        args, kwargs = self.decode_call
+        times = []
+        for _ in range(steps):
+            args[1] = runner.kv
+            t0 = time.perf_counter()
+            runner.kv, out = runner._step(*args, **kwargs)
+            jax.device_get(out["tokens"])
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
 
     def once(self, prompts: list[str], params: dict) -> dict:
         engine = self.engine
+        bare = self.bare_ms(params["max_new_tokens"])
         engine.flush_cache()
         before = engine.stats()
         t0 = time.perf_counter()
@@ -94,8 +132,14 @@ class JsglRun:
         wall = time.perf_counter() - t0
         after = engine.stats()
         steps = max(after["decode_steps"] - before["decode_steps"], 1)
+        # Again with the prompts cached: end to end per step, as a user's request meets it (the one extend
+        # step computes each prompt's last token).
+        t0 = time.perf_counter()
+        engine.generate(prompts, params, progress=False)
+        e2e = 1e3 * (time.perf_counter() - t0) / (engine.stats()["steps"] - after["steps"])
         return {"tokens_per_s": sum(o.completion_tokens for o in outs) / wall,
-                "decode_ms_per_step": 1e3 * (after["decode_time_s"] - before["decode_time_s"]) / steps}
+                "decode_ms_per_step": 1e3 * (after["decode_time_s"] - before["decode_time_s"]) / steps,
+                "e2e_ms_per_step": e2e, "bare_ms_per_step": bare}
 
 
 class TransformersRun:
@@ -183,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": statistics.median(floors),
                          "decode_ms_per_step": statistics.median(steps), "rounds_ms_per_step": steps,
                          "rounds_bandwidth_gbs": [x["bandwidth_gbs"] for x in samples[name]],
-                         "step_over_floor": statistics.median(a / b for a, b in zip(steps, floors))}
+                         "step_over_floor": statistics.median(a / b for a, b in zip(steps, floors)),
+                         "e2e_ms_per_step": statistics.median(x["e2e_ms_per_step"] for x in samples[name]),
+                         "bare_ms_per_step": statistics.median(x["bare_ms_per_step"] for x in samples[name]),
+                         "e2e_over_bare": statistics.median(x["e2e_ms_per_step"] / x["bare_ms_per_step"]
+                                                            for x in samples[name])}
             if "hf" in runs:
                 row[name]["vs_hf"] = statistics.median(
                     a / b["tokens_per_s"] for a, b in zip(rates, samples["hf"]))
@@ -202,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"batch {r['batch']:>2}: read bandwidth {min(r['bandwidth_gbs']):.1f}-{max(r['bandwidth_gbs']):.1f} GB/s")
     print(f"{'batch':>5} {'jsgl':>6} {'tok/s':>8} {'hf tok/s':>9} {'jsgl/hf':>8} {'vs xla':>7} {'ms/step':>8} "
-          f"{'floor ms':>9} {'step/floor':>10}")
+          f"{'floor ms':>9} {'step/floor':>10} {'e2e ms':>7} {'bare ms':>7} {'e2e/bare':>8}")
     for r in rows:
         for name in kernels:
             ours = r[name]
@@ -211,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             vs_xla = f"{ours['vs_xla']:7.2f}" if "vs_xla" in ours else f"{'-':>7}"
             print(f"{r['batch']:>5} {name:>6} {ours['tokens_per_s']:8.1f} {hf_s} {vs_hf} {vs_xla} "
                   f"{ours['decode_ms_per_step']:8.1f} {ours['floor_ms']:9.1f} "
-                  f"{ours['step_over_floor']:10.2f}")
+                  f"{ours['step_over_floor']:10.2f} {ours['e2e_ms_per_step']:7.2f} {ours['bare_ms_per_step']:7.2f} "
+                  f"{ours['e2e_over_bare']:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=2)

@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.kv_pool import allocate_pool
-from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs, sample, stage_flags
+from jsgl.engine.sampler import sample, stage_flags
+from jsgl.engine.step_inputs import StepLayout, new_packed, unpack
 from jsgl.kernels import cpu as cpu_kernels
-from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, resolve_attention_backend
+from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
 from jsgl.model.sharding import TensorParallel
@@ -70,9 +71,11 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(params, kv, token_ids, write_slots, meta, sample_index, target_ids, sampling,
-          *, config: ModelConfig, attention_backend: str, prompt_top_k: int,
-          tp: TensorParallel | None = None):
+def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale,
+          *, layout: StepLayout, config: ModelConfig, attention_backend: str, prompt_top_k: int,
+          top_logprobs: int, tp: TensorParallel | None = None):
+    token_ids, write_slots, meta, sample_index, target_ids, sampling = unpack(
+        ints, floats, bitmask, logit_bias, repetition_scale, layout, top_logprobs)
     attention = get_attention_backend(attention_backend)
     if tp is not None:  # attention per shard on local heads; XLA partitions the rest from the shardings
         attention = tp.shard_attention(attention)
@@ -133,8 +136,8 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}  # signature -> the step compiled ahead of time (precompile)
         self._step = jax.jit(
             functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
-                              tp=self.tp),
-            static_argnames=("prompt_top_k",), donate_argnums=(1,),
+                              tp=self.tp, top_logprobs=max_top_logprobs),
+            static_argnames=("layout", "prompt_top_k"), donate_argnums=(1,),
         )
 
     def kv_intact(self) -> bool:
@@ -173,49 +176,45 @@ class ModelRunner:
         """One forward + sample over ``items``: the sampled tokens, with their logprobs if ``logprobs``, the
         top ``top_logprobs`` alternatives, and for ``prompt_top_k >= 0`` the prompt's logprobs too."""
         n = len(items)
+        if top_logprobs > self.max_top_logprobs or prompt_top_k > self.max_top_logprobs:
+            raise ValueError(f"top logprobs {max(top_logprobs, prompt_top_k)} > the runner's max_top_logprobs "
+                             f"{self.max_top_logprobs}")
         is_decode = all(len(it.token_ids) == 1 for it in items) and prompt_top_k < 0
-        q_lens = np.array([len(it.token_ids) for it in items], np.int32)
-        kv_lens = np.array([it.start_pos + len(it.token_ids) for it in items], np.int32)
-        num_t, num_b, max_q, max_l = self.step_shape(n, int(q_lens.sum()), int(q_lens.max()), int(kv_lens.max()),
-                                                     is_decode)
-
-        token_ids = np.zeros(num_t, np.int32)
-        write_slots = np.zeros(num_t, np.int32)  # padding writes land in reserved slot 0
-        positions = np.zeros(num_t, np.int32)
-        target_ids = np.zeros(num_t, np.int32)
-        q_start = np.zeros(num_b, np.int32)
-        q_len = np.zeros(num_b, np.int32)
-        block_table = np.zeros((num_b, max_l), np.int32)
-        lens = np.zeros(num_b, np.int32)
-        sample_index = np.zeros(num_b, np.int32)
+        q_lens = [len(it.token_ids) for it in items]
+        kv_lens = [it.start_pos + q for it, q in zip(items, q_lens)]
+        layout = StepLayout(*self.step_shape(n, sum(q_lens), max(q_lens), max(kv_lens), is_decode))
+        packed = new_packed(layout, self.config.vocab_size)
+        rows = packed.views(layout)
         offset = 0
-        for b, it in enumerate(items):
-            m = len(it.token_ids)
+        for b, (it, m, kv_len) in enumerate(zip(items, q_lens, kv_lens)):
             sl = slice(offset, offset + m)
-            token_ids[sl] = it.token_ids
-            positions[sl] = np.arange(it.start_pos, it.start_pos + m)
-            write_slots[sl] = it.slots[it.start_pos: it.start_pos + m]
+            rows["token_ids"][sl] = it.token_ids
+            rows["positions"][sl] = np.arange(it.start_pos, kv_len)
+            rows["write_slots"][sl] = it.slots[it.start_pos: kv_len]  # padding writes land in reserved slot 0
             if it.target_ids is not None:
-                target_ids[sl] = it.target_ids
-            q_start[b], q_len[b], lens[b] = offset, m, kv_lens[b]
-            block_table[b, : kv_lens[b]] = it.slots[: kv_lens[b]]
-            sample_index[b] = offset + m - 1
+                rows["target_ids"][sl] = it.target_ids
+            rows["q_start"][b], rows["q_len"][b], rows["kv_lens"][b] = offset, m, kv_len
+            rows["block_table"][b, :kv_len] = it.slots[:kv_len]
+            rows["sample_index"][b] = offset + m - 1
             offset += m
-        meta = AttentionMetadata(positions, q_start, q_len, block_table, lens, max_q)
-        sampling = self._sampling_inputs(items, num_b, top_logprobs, logprobs)
+        arrays = self._sampling_rows(items, layout.num_b, rows, top_logprobs, logprobs)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
-        signature = (num_t, num_b, max_q, max_l, prompt_k)
+        signature = (*layout, prompt_k)
         self._count_signature(signature)
-        args = (self.params, self.kv, token_ids, write_slots, meta, sample_index, target_ids, sampling)
+        args = (self.params, self.kv, packed.ints, packed.floats, *arrays)
         compiled = self._executables.get(signature)
-        self.kv, out = compiled(*args) if compiled is not None else self._step(*args, prompt_top_k=prompt_k)
-        out = jax.device_get(out)
+        self.kv, out = compiled(*args) if compiled is not None else \
+            self._step(*args, layout=layout, prompt_top_k=prompt_k)
+        wanted = ["tokens"] + ["logprobs"] * logprobs + ["top_vals", "top_ids"] * (top_logprobs > 0) + \
+            ["prompt_logprobs"] * (prompt_top_k >= 0) + ["prompt_top_vals", "prompt_top_ids"] * (prompt_top_k > 0)
+        out = dict(zip(wanted, jax.device_get([out[k] for k in wanted])))  # only what was asked crosses back
         result = StepOutput(out["tokens"][:n], out["logprobs"][:n] if logprobs else None,
                             (out["top_vals"][:n, :top_logprobs], out["top_ids"][:n, :top_logprobs])
                             if top_logprobs else None)
         if prompt_top_k >= 0:
-            spans = [slice(q_start[b], q_start[b] + q_len[b]) for b in range(n)]
+            starts = np.cumsum([0, *q_lens])
+            spans = [slice(starts[b], starts[b + 1]) for b in range(n)]
             result.prompt_logprobs = [out["prompt_logprobs"][s] for s in spans]
             if prompt_top_k > 0:
                 result.prompt_top_logprobs = [(out["prompt_top_vals"][s, :prompt_top_k],
@@ -250,23 +249,18 @@ class ModelRunner:
         ``run`` then dispatches to them, and counts a signature met outside them as unplanned."""
         for signature in signatures:
             if signature not in self._executables:
-                self._executables[signature] = self._step.lower(*self._abstract_args(signature),
-                                                                prompt_top_k=signature[4]).compile()
+                layout = StepLayout(*signature[:4])
+                self._executables[signature] = self._step.lower(
+                    *self._abstract_args(layout), layout=layout, prompt_top_k=signature[4]).compile()
                 self._count_signature(signature)
         self._precompiled = True
 
-    def _abstract_args(self, signature: tuple) -> tuple:
-        num_t, num_b, max_q, max_l, _ = signature
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        flags = jax.ShapeDtypeStruct((len(FLAG_NAMES),), jnp.bool_)
-        vocab = self.config.vocab_size
-        meta = AttentionMetadata(i32(num_t), i32(num_b), i32(num_b), i32(num_b, max_l), i32(num_b), max_q)
-        sampling = SamplingInputs(f32(num_b), f32(num_b), i32(num_b), f32(num_b),
-                                  jax.ShapeDtypeStruct((num_b,), jnp.uint32), i32(num_b),
-                                  jax.ShapeDtypeStruct((num_b, -(-vocab // 32)), jnp.uint32), f32(num_b, vocab),
-                                  f32(num_b, vocab), flags, top_logprobs=self.max_top_logprobs)
-        return self.params, self.kv, i32(num_t), i32(num_t), meta, i32(num_b), i32(num_t), sampling
+    def _abstract_args(self, layout: StepLayout) -> tuple:
+        vocab, num_b = self.config.vocab_size, layout.num_b
+        return (self.params, self.kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+                jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
+                jax.ShapeDtypeStruct((num_b, -(-vocab // 32)), jnp.uint32),
+                jax.ShapeDtypeStruct((num_b, vocab), jnp.float32), jax.ShapeDtypeStruct((num_b, vocab), jnp.float32))
 
     def _count_signature(self, signature: tuple) -> None:
         if signature in self._signatures:
@@ -303,27 +297,23 @@ class ModelRunner:
                 rows[b] = value
         return rows, True
 
-    def _sampling_inputs(self, items: list[ForwardItem], num_b: int, top_logprobs: int,
-                         logprobs: bool) -> SamplingInputs:
+    def _sampling_rows(self, items: list[ForwardItem], num_b: int, rows: dict[str, np.ndarray], top_logprobs: int,
+                       logprobs: bool) -> tuple[Any, Any, Any]:
+        """Fill the packed sampling rows and stage flags; returns the (bitmask, logit_bias, repetition_scale)
+        arguments."""
         vocab = self.config.vocab_size
-        temperature = np.zeros(num_b, np.float32)
-        top_p = np.ones(num_b, np.float32)
-        top_k = np.full(num_b, vocab, np.int32)
-        min_p = np.zeros(num_b, np.float32)
-        seeds = np.zeros(num_b, np.uint32)
-        steps = np.zeros(num_b, np.int32)
+        temperature, top_p, top_k, min_p = rows["temperature"], rows["top_p"], rows["top_k"], rows["min_p"]
         for b, it in enumerate(items):
             temperature[b], top_p[b], min_p[b] = it.temperature, it.top_p, it.min_p
             top_k[b] = vocab if it.top_k < 0 else min(it.top_k, vocab)
-            seeds[b], steps[b] = it.seed & 0xFFFFFFFF, it.step
+            rows["seeds"][b] = np.uint32(it.seed & 0xFFFFFFFF).view(np.int32)
+            rows["steps"][b] = it.step
         bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
         logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
         repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
         sampled = temperature > 1e-5
         need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
-        if top_logprobs > self.max_top_logprobs:
-            raise ValueError(f"top_logprobs {top_logprobs} > the runner's max_top_logprobs {self.max_top_logprobs}")
-        flags = stage_flags(all_greedy=not sampled.any(), need_sort=need_sort, token_logprobs=logprobs,
-                            apply_mask=masked, apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
-        return SamplingInputs(temperature, top_p, top_k, min_p, seeds, steps, bitmask, logit_bias, repetition_scale,
-                              flags, top_logprobs=self.max_top_logprobs)
+        rows["flags"][:] = stage_flags(all_greedy=not sampled.any(), need_sort=need_sort, token_logprobs=logprobs,
+                                       apply_mask=masked, apply_bias=biased, apply_repetition=repeated,
+                                       want_top=top_logprobs > 0)
+        return bitmask, logit_bias, repetition_scale
