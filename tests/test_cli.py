@@ -41,7 +41,11 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
     "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
-    "bench serve": (["bench", "serve", "--quick", "--num-requests", "4"], None),
+    "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
+                     "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
+    # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
+    "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
+                       "--repo", str(Path(__file__).resolve().parents[1])], None),
 }
 
 
@@ -186,7 +190,23 @@ def test_bench_device(results):
 
 
 def test_bench_serve(results):
+    """Precompiled, a fresh engine's first run of every workload compiles nothing (neither do the mixed runs)."""
     out, _ = finished(results, "bench serve")
-    assert "chat prompts:" in out and "startup (Engine(...)):" in out and "cold/warm wall ratio:" in out, out
+    assert "chat prompts:" in out and "cold/warm wall ratio:" in out, out
+    startup = re.search(r"startup: ([\d.]+) s \(precompile all: ([\d.]+) s, (\d+) step shapes\)", out)
+    assert startup and float(startup[2]) > 0 and int(startup[3]) > 0, out
+    workloads = {line[:12].strip(): line[12:].split() for line in out.splitlines()
+                 if line.startswith(("decode b1 ", "decode b16 ", "mmlu 5-shot ", "json regex "))}
+    assert set(workloads) == {"decode b1", "decode b16", "mmlu 5-shot", "json regex"}, out
+    assert all(w[-2:] == ["0", "0"] for w in workloads.values()), out  # compiles in the first and second run
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
     assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
+    assert all(r[-1] == "0" for r in rows.values()), out
+
+
+def test_bench_compare(results):
+    out, _ = finished(results, "bench compare")
+    table = {line[:30].strip(): line[30:].split() for line in out.splitlines()[-16:]}
+    for metric in ("startup s", "decode b1 first s", "mmlu 5-shot second s", "mmlu prefill tok/s (second)"):
+        other, current = (float(x) for x in table[metric][:2])
+        assert other > 0 and current > 0, out
