@@ -489,7 +489,19 @@ def pallas_paged_attention(
     extend_block_k: int = 64,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """The "pallas" backend: decode kernel when ``meta.max_q_len == 1``, extend kernel otherwise."""
+    """The "pallas" backend: decode kernel when ``meta.max_q_len == 1``, extend kernel otherwise.
+
+    With ``interpret`` unset (and no module-wide ``INTERPRET``), interpreting or compiling follows the platform
+    the step is lowered for, not the machine tracing it: ``lax.platform_dependent`` lowers the interpreted
+    kernel for CPU and the compiled Triton one for CUDA, so a step lowered on a CPU host for a GPU gets the
+    GPU kernels."""
+    if interpret is None and INTERPRET is None:
+        def variant(flag: bool):
+            return functools.partial(pallas_paged_attention, scale=scale, decode_block_k=decode_block_k,
+                                     decode_block_h=decode_block_h, num_splits=num_splits,
+                                     extend_block_q=extend_block_q, extend_block_k=extend_block_k, interpret=flag)
+
+        return jax.lax.platform_dependent(q, k_pool, v_pool, meta, cpu=variant(True), default=variant(False))
     if not isinstance(scale, (int, float)):  # traced scale: fold it into q, kernels get a static 1.0
         q = (q * scale).astype(q.dtype)
         scale = 1.0

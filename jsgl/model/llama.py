@@ -67,6 +67,28 @@ def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
     return h + (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
 
 
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+    """The params pytree of ``cfg`` as ``jax.ShapeDtypeStruct`` leaves (jsgl's layout: matrices [in, out]), as
+    the loader returns them: to lower or plan a model of any size without allocating it."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
+    layer = {"attn_norm": shape(d), "wq": shape(d, q), "wk": shape(d, kv), "wv": shape(d, kv), "wo": shape(q, d),
+             "mlp_norm": shape(d), "w_gate": shape(d, cfg.intermediate_size),
+             "w_up": shape(d, cfg.intermediate_size), "w_down": shape(cfg.intermediate_size, d)}
+    if cfg.attention_bias:
+        layer |= {"bq": shape(q), "bk": shape(kv), "bv": shape(kv)}
+        if cfg.architecture != "qwen2":
+            layer["bo"] = shape(d)
+    if cfg.qk_norm:
+        layer |= {"q_norm": shape(hd), "k_norm": shape(hd)}
+    params: Params = {"embed": shape(cfg.vocab_size, d), "final_norm": shape(d),
+                      "layers": [dict(layer) for _ in range(cfg.num_layers)]}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = shape(d, cfg.vocab_size)
+    return params
+
+
 def with_packed_weights(params: Params, blocks: tuple[list[dict], Any] | None = None) -> Params:
     """The same params with each layer's PROJECTIONS packed (and fused) for the CPU kernels, and the LM head
     packed (for a tied model, a packed copy of the embedding's transpose; the embedding stays for lookup).

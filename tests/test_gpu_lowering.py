@@ -1,0 +1,69 @@
+"""The whole jitted engine step, lowered for CUDA on this GPU-less machine at Llama-3-8B's shapes.
+
+No weights exist: the params and pools are abstract (`param_shapes`), so the 16 GB model costs nothing. The
+step must use the compiled Pallas (Triton) kernels, one per layer, even though the host tracing it is a CPU
+(interpret or compile follows the platform lowered for), and must update the donated KV pools in place.
+Running the Triton kernels needs a GPU: `jsgl bench device` on the day one is lent.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jsgl.engine.model_runner import _step
+from jsgl.engine.step_inputs import StepLayout
+from jsgl.model.config import ModelConfig
+from jsgl.model.llama import param_shapes
+
+LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+             "bos_token_id": 128000, "eos_token_id": 128001,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+NUM_SLOTS = 4096
+
+
+def lowered_step(layout: StepLayout, platform: str) -> str:
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, NUM_SLOTS, cfg.head_dim), jnp.float32)
+    kv = ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
+    vocab, b = cfg.vocab_size, layout.num_b
+    step = jax.jit(functools.partial(_step, layout=layout, config=cfg, attention_backend="pallas", prompt_top_k=-1,
+                                     top_logprobs=20), donate_argnums=(1,))
+    args = (param_shapes(cfg), kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+            jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
+            jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((b, vocab), jnp.float32))
+    return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("layout", [StepLayout(8, 8, 1, 512), StepLayout(256, 8, 64, 512)], ids=["decode", "extend"])
+def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(layout):
+    text = lowered_step(layout, "cuda")
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)) == 32  # one kernel a layer
+    assert not re.search(r"custom_call @jsgl_", text)  # none of the CPU kernels' FFI calls
+    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    # Every one of the 64 pools (K and V of 32 layers) is donated: the step writes them in place.
+    donated = len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main))
+    assert donated == 64, main[:2000]
+
+
+def test_same_step_interprets_when_lowered_for_cpu():
+    """The same jitted step lowered for the CPU host takes the interpreted kernels: no Triton call."""
+    text = lowered_step(StepLayout(8, 8, 1, 512), "cpu")
+    assert "triton" not in text
+
+
+def test_param_shapes_are_the_loaders():
+    from jsgl.model.loader import load_model
+
+    cfg, params = load_model("smollm2-135m")
+    got = jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)
+    want = jax.tree.map(lambda x: (x.shape, str(x.dtype)), param_shapes(cfg))
+    assert got == want
