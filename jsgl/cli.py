@@ -98,6 +98,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
+        from jsgl.engine.memory import load_config, plan_memory
+
+        cfg = engine_config(args)
+        config = load_config(cfg.model)
+        device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
+        try:
+            plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
+                               num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
+                               max_batch=cfg.max_running_requests, device_bytes=device)
+        except ValueError as exc:
+            print(f"jsgl serve: {exc}", file=sys.stderr)
+            return 2
+        print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
+              f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}")
+        print(plan.render())
+        return 0
     from jsgl.server.app import serve
 
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
@@ -143,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--timeout-keep-alive", type=int, default=5, help="uvicorn: idle keep-alive seconds")
     serve.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn: open connections (503 beyond)")
     add_engine_args(serve)
+    serve.add_argument("--dry-run", action="store_true",
+                       help="print the memory plan (weights, activations, KV slots per device) and exit")
+    serve.add_argument("--device-gb", type=float, default=None,
+                       help="with --dry-run: plan for a device of this many GiB (e.g. 80 for an H100) instead of "
+                            "this machine's")
     serve.set_defaults(precompile="common")  # a server pays its compiles at start, not on users' first requests
     bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
     bench.add_argument("which", help="e.g. decode, radix, json, server")

@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
                      "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
+    "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
                        "--repo", str(Path(__file__).resolve().parents[1])], None),
@@ -202,6 +203,15 @@ def test_bench_serve(results):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
     assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
     assert all(r[-1] == "0" for r in rows.values()), out
+
+
+def test_serve_dry_run(results):
+    """The memory plan from the config alone: 0.05 of 24 GiB, minus the model's weights and activations."""
+    out, _ = finished(results, "serve dry-run")
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "24.00 GiB" in lines["device"] and "0.05 of it" in lines["device"], out
+    slots = int(lines["KV"].split(":")[1].split()[0].replace(",", ""))
+    assert slots > 10_000, out
 
 
 def test_bench_compare(results):

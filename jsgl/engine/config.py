@@ -10,6 +10,9 @@ class EngineConfig:
     model: str = "smollm2-135m"
     kv_cache_gb: float = 1.0  # memory budget of the KV pool (float32 K and V of all layers)
     num_kv_slots: int | None = None  # overrides kv_cache_gb when set
+    # Fraction of the device's memory for weights + KV pool (SGLang's mem_fraction_static); when set, the
+    # pool is what is left after weights and activations (jsgl.engine.memory), instead of kv_cache_gb.
+    mem_fraction: float | None = None
     page_size: int = 1  # token-granular pool, as in the paper
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # new prompt tokens per extend step

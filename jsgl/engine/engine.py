@@ -7,6 +7,7 @@ through each sequence's queue, so the API is thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import secrets
@@ -23,7 +24,8 @@ from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.handle import RequestHandle
-from jsgl.engine.kv_pool import SlotAllocator, slots_for_memory
+from jsgl.engine.kv_pool import SlotAllocator
+from jsgl.engine.memory import plan_memory
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import (
@@ -64,8 +66,14 @@ class Engine:
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
         self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
-        num_slots = cfg.num_kv_slots or slots_for_memory(self.model_config, cfg.kv_cache_gb, cfg.page_size)
-        num_slots -= num_slots % cfg.page_size
+        self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
+                                       kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
+                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests)
+        num_slots = self.memory_plan.num_slots
+        if cfg.mem_fraction is not None:
+            log.info("memory plan:\n%s", self.memory_plan.render())
+        num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
+        self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
         matmul = cpu_kernels.resolve_matmul_backend(cfg.matmul_backend, cfg.tp)
         # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
@@ -239,7 +247,10 @@ class Engine:
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
-            "unplanned_compiles": self.runner.unplanned_compiles, "startup_s": self.startup_s["total"],
+            "unplanned_compiles": self.runner.unplanned_compiles,
+            "weight_bytes": self.memory_plan.weight_bytes, "kv_bytes": self.memory_plan.kv_bytes,
+            "device_bytes": self.memory_plan.device_bytes, "device_free_bytes": self.memory_plan.free_bytes,
+            "startup_s": self.startup_s["total"],
             "precompile_s": self.startup_s["precompile"],
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
             "mean_batch_size": s.batched_requests / s.steps if s.steps else 0.0,

@@ -1,0 +1,132 @@
+"""Memory planning: how many KV slots fit on a device beside the weights and a step's activations.
+
+``--mem-fraction F`` (SGLang's ``mem_fraction_static``) gives the engine F of each device's memory for weights
+plus KV pool; what is left of that after the weights and an activation reserve becomes KV slots. The device's
+memory is what its allocator may use: on GPU/TPU the client's ``bytes_limit`` (JAX preallocates 75% of a
+GPU unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_PREALLOCATE`` say otherwise: the limit
+already reflects them), on CPU the host's available RAM. Without ``--mem-fraction`` the pool is
+``--kv-cache-gb`` (or ``--num-kv-slots``) as before. ``plan_memory`` needs only the model's config, so
+``jsgl serve --dry-run --model DIR --tp N`` prints the plan without loading a weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jsgl.engine.kv_pool import slots_for_memory
+from jsgl.model.config import ModelConfig
+from jsgl.model.llama import param_shapes
+from jsgl.model.registry import resolve_model_path
+from jsgl.model.sharding import TensorParallel, head_layout
+
+WEIGHT_BYTES = 4  # float32 weights and KV (jsgl's only dtype today; a bf16 policy would halve both)
+# Activations of the largest step, per token of it: the residual stream, q|k|v, the MLP's gate|up, and the
+# logits of its sampled rows, with XLA's temporaries (~3x, measured as peak minus weights on CPU).
+ACTIVATION_FACTOR = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    device: str  # what was measured, and how
+    device_bytes: int  # per device
+    tp: int
+    mem_fraction: float | None
+    weight_bytes: int  # per device
+    activation_bytes: int  # per device, reserved for the largest step
+    kv_bytes_per_token: int  # per device
+    num_slots: int  # KV token slots (each device holds its heads of every slot)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_slots * self.kv_bytes_per_token
+
+    @property
+    def free_bytes(self) -> int:
+        return self.device_bytes - self.weight_bytes - self.activation_bytes - self.kv_bytes
+
+    def render(self) -> str:
+        gib = lambda n: f"{n / (1 << 30):8.2f} GiB"  # noqa: E731
+        budget = (f"{self.mem_fraction:.2f} of it for weights + KV" if self.mem_fraction is not None
+                  else "KV pool from --kv-cache-gb / --num-kv-slots")
+        return "\n".join([
+            f"device        {gib(self.device_bytes)}  per device ({self.device}); tp={self.tp}; {budget}",
+            f"weights       {gib(self.weight_bytes)}  per device",
+            f"activations   {gib(self.activation_bytes)}  reserved per device (largest step)",
+            f"KV pool       {gib(self.kv_bytes)}  per device: {self.num_slots:,} token slots "
+            f"x {self.kv_bytes_per_token:,} B",
+            f"left          {gib(self.free_bytes)}  per device",
+        ])
+
+
+def load_config(model: str | os.PathLike) -> ModelConfig:
+    """The model's config alone (an HF folder's config.json, or a GGUF's metadata): no tensor is read."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    import gguf
+
+    from jsgl.model.loader import _gguf_config
+
+    return ModelConfig.from_hf(_gguf_config(gguf.GGUFReader(str(path))))
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes the first device's allocator may use, how that was found)."""
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]), f"{device.device_kind}: allocator bytes_limit"
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024, "cpu: host MemAvailable"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "cpu: available pages"
+
+
+def weight_bytes_per_device(config: ModelConfig, tp: int) -> int:
+    """Bytes of weights on each device, with tensor parallelism's padding and replicated leaves."""
+    if tp == 1:
+        return sum(x.size * WEIGHT_BYTES for x in jax.tree.leaves(param_shapes(config)))
+    layout = head_layout(config.num_heads, config.num_kv_heads, tp)
+    padded = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
+                                 intermediate_size=-(-config.intermediate_size // tp) * tp)
+    shapes = param_shapes(padded)
+    specs = TensorParallel(None, layout, padded).param_specs(shapes)  # no mesh: only the specs' axes
+    sharded = lambda spec: any(axis is not None for axis in spec)  # noqa: E731
+    leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return sum(x.size * WEIGHT_BYTES // (tp if sharded(spec) else 1)
+               for x, spec in zip(jax.tree.leaves(shapes), leaves))
+
+
+def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None = None, kv_cache_gb: float = 1.0,
+                num_kv_slots: int | None = None, max_step_tokens: int = 512, max_batch: int = 64,
+                device_bytes: tuple[int, str] | None = None) -> MemoryPlan:
+    """The KV pool's size and what each device holds. ``device_bytes`` overrides the measured device."""
+    total, how = device_bytes or device_memory()
+    weights = weight_bytes_per_device(config, tp)
+    kv_heads = head_layout(config.num_heads, config.num_kv_heads, tp).num_kv_heads if tp > 1 else config.num_kv_heads
+    per_token = 2 * config.num_layers * (kv_heads // tp) * config.head_dim * WEIGHT_BYTES
+    width = config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim \
+        + 2 * config.intermediate_size
+    activations = ACTIVATION_FACTOR * WEIGHT_BYTES * (max_step_tokens * width // tp
+                                                      + max_batch * config.vocab_size)
+    if num_kv_slots is not None:
+        slots = num_kv_slots
+    elif mem_fraction is not None:
+        if not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], not {mem_fraction}")
+        room = int(total * mem_fraction) - weights - activations
+        if room < per_token * 1024:
+            raise ValueError(f"mem_fraction {mem_fraction}: {total * mem_fraction / (1 << 30):.2f} GiB of the device "
+                             f"leaves no room for a KV pool beside {weights / (1 << 30):.2f} GiB of weights and "
+                             f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
+        slots = room // per_token
+    else:
+        slots = slots_for_memory(config, kv_cache_gb)
+    return MemoryPlan(how, total, tp, mem_fraction, weights, activations, per_token, slots)
