@@ -9,7 +9,11 @@ Running the Triton kernels needs a GPU: `jsgl bench device` on the day one is le
 from __future__ import annotations
 
 import functools
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +33,62 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
 NUM_SLOTS = 4096
 
 
-def lowered_step(layout: StepLayout, platform: str) -> str:
+def lowered_step(layout: StepLayout, platform: str, tp: int = 1) -> str:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jsgl.model.sharding import TensorParallel
+
     cfg = ModelConfig.from_hf(LLAMA3_8B)
-    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, NUM_SLOTS, cfg.head_dim), jnp.float32)
+    parallel = TensorParallel.create(cfg, tp) if tp > 1 else None
+    forward = parallel.config if parallel else cfg  # heads and MLP padded to whole groups per shard
+    params = param_shapes(forward)
+    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), jnp.float32,
+                                sharding=parallel.kv_sharding if parallel else None)
+    if parallel:  # each weight carries the NamedSharding the runner would place it with
+        params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=NamedSharding(parallel.mesh, spec)),
+                              params, parallel.param_specs(params), is_leaf=lambda x: isinstance(x, PartitionSpec))
     kv = ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
     vocab, b = cfg.vocab_size, layout.num_b
-    step = jax.jit(functools.partial(_step, layout=layout, config=cfg, attention_backend="pallas", prompt_top_k=-1,
-                                     top_logprobs=20), donate_argnums=(1,))
-    args = (param_shapes(cfg), kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+    step = jax.jit(functools.partial(_step, layout=layout, config=forward, attention_backend="pallas", prompt_top_k=-1,
+                                     top_logprobs=20, tp=parallel), donate_argnums=(1,))
+    args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
             jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
             jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
             jax.ShapeDtypeStruct((b, vocab), jnp.float32))
     return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
-@pytest.mark.parametrize("layout", [StepLayout(8, 8, 1, 512), StepLayout(256, 8, 64, 512)], ids=["decode", "extend"])
-def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(layout):
-    text = lowered_step(layout, "cuda")
-    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)) == 32  # one kernel a layer
-    assert not re.search(r"custom_call @jsgl_", text)  # none of the CPU kernels' FFI calls
+def summary(text: str) -> dict:
+    """Triton kernel calls, CPU FFI calls, donated arguments of main, and partitions of a lowered step."""
     main = text[text.index("func.func public @main"):].split("\n", 1)[0]
-    # Every one of the 64 pools (K and V of 32 layers) is donated: the step writes them in place.
-    donated = len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main))
-    assert donated == 64, main[:2000]
+    return {"triton": len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)),
+            "cpu_ffi": len(re.findall(r"custom_call @jsgl_", text)),
+            "donated": len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main)),
+            "partitions": int(re.search(r"mhlo\.num_partitions = (\d+)", text)[1])}
+
+
+LAYOUTS = {"decode": StepLayout(8, 8, 1, 512), "extend": StepLayout(256, 8, 64, 512)}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(name):
+    got = summary(lowered_step(LAYOUTS[name], "cuda"))
+    # One kernel a layer, none of the CPU kernels' FFI calls, and every one of the 64 pools (K and V of 32
+    # layers) donated: the step writes them in place.
+    assert got == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 1}
+
+
+def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
+    """At tp=4 (forced CPU devices, in a child: the device count is fixed when jax starts) the step is 4
+    partitions, attention a Triton kernel per layer inside the shard_map (each device on its heads), the
+    sharded pools still donated."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in LAYOUTS:
+        assert got[name] == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 4}, got
 
 
 def test_same_step_interprets_when_lowered_for_cpu():
@@ -67,3 +104,7 @@ def test_param_shapes_are_the_loaders():
     got = jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)
     want = jax.tree.map(lambda x: (x.shape, str(x.dtype)), param_shapes(cfg))
     assert got == want
+
+
+if __name__ == "__main__":  # the tp=4 child
+    print(json.dumps({name: summary(lowered_step(layout, "cuda", tp=4)) for name, layout in LAYOUTS.items()}))

@@ -102,9 +102,10 @@ class ModelRunner:
                  max_top_logprobs: int = 20):
         self.config = config
         self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
-        # Under tensor parallelism attention and matmuls stay XLA's (it partitions them by the shardings).
-        self.attention_backend = "native" if tp > 1 and attention_backend == "auto" else \
-            resolve_attention_backend(attention_backend)
+        # Under tensor parallelism the matmuls stay XLA's (it partitions them by the shardings); attention runs
+        # per shard on its heads: the Pallas kernels on GPU, the native path on CPU (the C++ kernels do not shard).
+        self.attention_backend = "native" if tp > 1 and attention_backend == "auto" and \
+            jax.default_backend() == "cpu" else resolve_attention_backend(attention_backend)
         self.matmul_backend = cpu_kernels.resolve_matmul_backend(matmul_backend, tp)
         if self.attention_backend == "cpu" and not cpu_kernels.available():
             raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
