@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": ["off", "common", "all"],
+        "dtype": ["auto", "bfloat16", "float16", "float32"],
+        "kv_dtype": ["auto", "bfloat16", "float16", "float32"],
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -99,20 +101,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
-        from jsgl.engine.memory import load_config, plan_memory
+        from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
 
         cfg = engine_config(args)
         config = load_config(cfg.model)
         device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
         try:
+            dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, "cuda" if args.device_gb else None)
             plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
                                num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
-                               max_batch=cfg.max_running_requests, device_bytes=device)
+                               max_batch=cfg.max_running_requests, device_bytes=device,
+                               weight_itemsize=dtype.itemsize, kv_itemsize=kv_dtype.itemsize)
         except ValueError as exc:
             print(f"jsgl serve: {exc}", file=sys.stderr)
             return 2
         print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
-              f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}")
+              f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
+              f"{dtype}, KV {kv_dtype}")
         print(plan.render())
         return 0
     from jsgl.server.app import serve

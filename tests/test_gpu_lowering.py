@@ -33,7 +33,7 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
 NUM_SLOTS = 4096
 
 
-def lowered_step(layout: StepLayout, platform: str, tp: int = 1) -> str:
+def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32) -> str:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jsgl.model.sharding import TensorParallel
@@ -41,8 +41,8 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1) -> str:
     cfg = ModelConfig.from_hf(LLAMA3_8B)
     parallel = TensorParallel.create(cfg, tp) if tp > 1 else None
     forward = parallel.config if parallel else cfg  # heads and MLP padded to whole groups per shard
-    params = param_shapes(forward)
-    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), jnp.float32,
+    params = param_shapes(forward, dtype)
+    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), dtype,
                                 sharding=parallel.kv_sharding if parallel else None)
     if parallel:  # each weight carries the NamedSharding the runner would place it with
         params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -89,6 +89,19 @@ def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in LAYOUTS:
         assert got[name] == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 4}, got
+
+
+def test_bfloat16_step_makes_no_float32_copy_of_a_weight():
+    """dtype bfloat16: the matmuls take the bfloat16 weights as they are (float32 accumulation through the
+    dots' result type), so no weight-shaped bfloat16 -> float32 convert appears; the Triton kernels are there."""
+    text = lowered_step(LAYOUTS["decode"], "cuda", dtype=jnp.bfloat16)
+    weights = {"4096x4096", "4096x1024", "4096x14336", "14336x4096", "128256x4096", "4096x128256"}
+    converted = set(re.findall(r"stablehlo\.convert %\S+ : \(tensor<(\d+x\d+)xbf16>\) -> tensor<\1xf32>", text))
+    assert not converted & weights, converted
+    bf16_dots = re.findall(r"stablehlo\.dot_general %\S+, %\S+,[^\n]*: \(tensor<[^>]*xbf16>, tensor<[^>]*xbf16>\) -> "
+                           r"tensor<[^>]*xf32>", text)
+    assert len(bf16_dots) >= 7 * 32  # q, k, v, o, gate, up, down of every layer, bf16 in, f32 out
+    assert summary(text)["triton"] == 32
 
 
 def test_same_step_interprets_when_lowered_for_cpu():

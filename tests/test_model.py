@@ -87,3 +87,33 @@ def test_jit_step_updates_pool_in_place(engine):
     engine.generate("Hello", {"max_new_tokens": 4, "temperature": 0})
     assert [pool.unsafe_buffer_pointer() for pool in pools()] == before
     assert all(isinstance(pool, jax.Array) for pool in pools())
+
+
+def test_bfloat16_engine_matches_transformers_in_bfloat16(hf_model, tokenizer):
+    """dtype=bfloat16: weights and KV pool in bfloat16 (matmuls accumulate in float32; norms, RoPE and softmax in
+    float32), prompt logprobs near transformers' bfloat16 model on the same GGUF, and its greedy choices mostly
+    the float32 reference's."""
+    import copy
+
+    from jsgl.engine.engine import Engine
+
+    engine = Engine(dtype="bfloat16", kv_cache_gb=0.1)
+    try:
+        layer = engine.runner.params["layers"][0]
+        assert all(w.dtype == jnp.bfloat16 for w in layer.values())
+        assert all(pool.dtype == jnp.bfloat16 for pool in engine.runner.kv[0])
+        assert engine.memory_plan.kv_bytes_per_token == engine.model_config.kv_bytes_per_token // 2
+        prompt = PROMPTS[2]
+        ids = tokenizer(prompt).input_ids
+        out = engine.generate(prompt, {"max_new_tokens": 0, "return_logprob": True, "logprob_start_len": 0})
+    finally:
+        engine.shutdown()
+    bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    with torch.no_grad():
+        ref16 = torch.log_softmax(bf16(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    ref32 = torch.log_softmax(torch.tensor(hf_logits(hf_model, ids)), -1).numpy()
+    targets = (np.arange(len(ids) - 1), ids[1:])
+    ours = np.asarray(out.input_logprobs[1:])
+    gap16, gap32 = np.abs(ours - ref16[targets]), np.abs(ref16[targets] - ref32[targets])
+    assert np.median(gap16) < 0.05 and gap16.max() < 0.5, (gap16, gap32)  # bfloat16 rounding, not a bug
+    assert np.median(gap16) <= 2 * np.median(gap32) + 0.01  # as close to HF bf16 as HF bf16 is to float32

@@ -18,6 +18,10 @@ class EngineConfig:
     chunked_prefill_size: int = 512  # new prompt tokens per extend step
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | cpu
+    # Weights and activations (matmuls accumulate in float32), and the KV pool: auto = float32 on CPU,
+    # bfloat16 on GPU/TPU; kv auto follows dtype (jsgl.engine.memory.resolve_dtypes).
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    kv_dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     matmul_backend: str = "auto"  # auto | xla | packed | gguf (kernels of jsgl.kernels.cpu; gguf: Q4_1/Q8_0 blocks)
     attention_budget_gb: float = 0.5  # bound on an extend step's padded attention scores
     prefix_cache: str = "radix"  # radix | flat | none

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.config import EngineConfig
@@ -25,7 +26,7 @@ from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.handle import RequestHandle
 from jsgl.engine.kv_pool import SlotAllocator
-from jsgl.engine.memory import plan_memory
+from jsgl.engine.memory import plan_memory, resolve_dtypes
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import (
@@ -66,20 +67,33 @@ class Engine:
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
         self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
+        self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
         self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
                                        kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
-                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests)
+                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
+                                       weight_itemsize=self.dtype.itemsize, kv_itemsize=self.kv_dtype.itemsize)
         num_slots = self.memory_plan.num_slots
         if cfg.mem_fraction is not None:
             log.info("memory plan:\n%s", self.memory_plan.render())
         num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
         self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
-        matmul = cpu_kernels.resolve_matmul_backend(cfg.matmul_backend, cfg.tp)
+        # The CPU kernels are float32: another dtype takes XLA's dot and the native attention.
+        float32 = self.dtype == jnp.float32 and self.kv_dtype == jnp.float32
+        matmul = cpu_kernels.resolve_matmul_backend(cfg.matmul_backend if float32 or cfg.matmul_backend != "auto"
+                                                    else "xla", cfg.tp)
+        attention = cfg.attention_backend
+        if not float32 and attention == "auto" and jax.default_backend() == "cpu":
+            attention = "native"
+        if not float32 and (matmul != "xla" or attention == "cpu"):
+            raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU kernels are float32; use "
+                             "matmul_backend=xla and attention_backend=native (or auto)")
+        if self.dtype != jnp.float32:  # weights cast once, on the host (ml_dtypes), before any device copy
+            np_params = jax.tree.map(lambda x: np.asarray(x).astype(self.dtype), np_params)
         # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
         self.runner = ModelRunner(self.model_config,
                                   np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,
-                                  attention_backend=cfg.attention_backend, matmul_backend=matmul,
+                                  attention_backend=attention, matmul_backend=matmul, kv_dtype=self.kv_dtype,
                                   weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs)

@@ -7,6 +7,8 @@ so a request's positions ``[k*page, (k+1)*page)`` share one page; page size 1 is
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,16 +16,18 @@ import numpy as np
 from jsgl.model.config import ModelConfig
 
 
-def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1) -> int:
-    """How many token slots fit in a memory budget (rounded down to whole pages)."""
-    slots = int(memory_gb * (1 << 30)) // config.kv_bytes_per_token
+def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1, itemsize: int = 4) -> int:
+    """How many token slots fit in a memory budget (rounded down to whole pages); ``itemsize``: bytes of one
+    K or V element (4 for float32 pools, 2 for bfloat16/float16)."""
+    slots = int(memory_gb * (1 << 30)) // (config.kv_bytes_per_token // 4 * itemsize)
     return max(page_size * 2, slots - slots % page_size)
 
 
-def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None):
+def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None,
+                  dtype: Any = jnp.float32):
     """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache)."""
     shape = (config.num_kv_heads, num_slots, config.head_dim)
-    make = lambda: [jnp.zeros(shape, jnp.float32, device=sharding) for _ in range(config.num_layers)]
+    make = lambda: [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
     return make(), make()
 
 

@@ -15,8 +15,10 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jsgl.engine.kv_pool import slots_for_memory
@@ -25,7 +27,20 @@ from jsgl.model.llama import param_shapes
 from jsgl.model.registry import resolve_model_path
 from jsgl.model.sharding import TensorParallel, head_layout
 
-WEIGHT_BYTES = 4  # float32 weights and KV (jsgl's only dtype today; a bf16 policy would halve both)
+WEIGHT_BYTES = 4  # float32: the default itemsize of weights and KV (bfloat16/float16: 2)
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def resolve_dtypes(dtype: str, kv_dtype: str, platform: str | None = None) -> tuple[Any, Any]:
+    """The (weights and activations, KV pool) dtypes. ``auto``: float32 on CPU (its kernels are float32),
+    bfloat16 on GPU/TPU; the KV pool's ``auto`` follows the weights. Matmuls accumulate in float32 whatever
+    the dtype; norms, RoPE, softmax, sampling and logprobs compute in float32 (jsgl.model.llama)."""
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, not {value!r}")
+    platform = platform or jax.default_backend()
+    weights = jnp.dtype(dtype if dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16"))
+    return weights, jnp.dtype(kv_dtype) if kv_dtype != "auto" else weights
 # Activations of the largest step, per token of it: the residual stream, q|k|v, the MLP's gate|up, and the
 # logits of its sampled rows, with XLA's temporaries (~3x, measured as peak minus weights on CPU).
 ACTIVATION_FACTOR = 3
@@ -89,10 +104,10 @@ def device_memory() -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "cpu: available pages"
 
 
-def weight_bytes_per_device(config: ModelConfig, tp: int) -> int:
+def weight_bytes_per_device(config: ModelConfig, tp: int, itemsize: int = WEIGHT_BYTES) -> int:
     """Bytes of weights on each device, with tensor parallelism's padding and replicated leaves."""
     if tp == 1:
-        return sum(x.size * WEIGHT_BYTES for x in jax.tree.leaves(param_shapes(config)))
+        return sum(x.size * itemsize for x in jax.tree.leaves(param_shapes(config)))
     layout = head_layout(config.num_heads, config.num_kv_heads, tp)
     padded = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads,
                                  intermediate_size=-(-config.intermediate_size // tp) * tp)
@@ -100,21 +115,22 @@ def weight_bytes_per_device(config: ModelConfig, tp: int) -> int:
     specs = TensorParallel(None, layout, padded).param_specs(shapes)  # no mesh: only the specs' axes
     sharded = lambda spec: any(axis is not None for axis in spec)  # noqa: E731
     leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
-    return sum(x.size * WEIGHT_BYTES // (tp if sharded(spec) else 1)
+    return sum(x.size * itemsize // (tp if sharded(spec) else 1)
                for x, spec in zip(jax.tree.leaves(shapes), leaves))
 
 
 def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None = None, kv_cache_gb: float = 1.0,
                 num_kv_slots: int | None = None, max_step_tokens: int = 512, max_batch: int = 64,
-                device_bytes: tuple[int, str] | None = None) -> MemoryPlan:
+                device_bytes: tuple[int, str] | None = None, weight_itemsize: int = WEIGHT_BYTES,
+                kv_itemsize: int = WEIGHT_BYTES) -> MemoryPlan:
     """The KV pool's size and what each device holds. ``device_bytes`` overrides the measured device."""
     total, how = device_bytes or device_memory()
-    weights = weight_bytes_per_device(config, tp)
+    weights = weight_bytes_per_device(config, tp, weight_itemsize)
     kv_heads = head_layout(config.num_heads, config.num_kv_heads, tp).num_kv_heads if tp > 1 else config.num_kv_heads
-    per_token = 2 * config.num_layers * (kv_heads // tp) * config.head_dim * WEIGHT_BYTES
+    per_token = 2 * config.num_layers * (kv_heads // tp) * config.head_dim * kv_itemsize
     width = config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim \
         + 2 * config.intermediate_size
-    activations = ACTIVATION_FACTOR * WEIGHT_BYTES * (max_step_tokens * width // tp
+    activations = ACTIVATION_FACTOR * weight_itemsize * (max_step_tokens * width // tp
                                                       + max_batch * config.vocab_size)
     if num_kv_slots is not None:
         slots = num_kv_slots
@@ -128,5 +144,5 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
                              f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
         slots = room // per_token
     else:
-        slots = slots_for_memory(config, kv_cache_gb)
+        slots = slots_for_memory(config, kv_cache_gb, itemsize=kv_itemsize)
     return MemoryPlan(how, total, tp, mem_fraction, weights, activations, per_token, slots)

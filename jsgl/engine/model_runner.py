@@ -99,8 +99,9 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
-                 max_top_logprobs: int = 20):
+                 max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32):
         self.config = config
+        self.kv_dtype = jnp.dtype(kv_dtype)
         self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
         # Under tensor parallelism the matmuls stay XLA's (it partitions them by the shardings); attention runs
         # per shard on its heads: the Pallas kernels on GPU, the native path on CPU (the C++ kernels do not shard).
@@ -122,7 +123,7 @@ class ModelRunner:
         self.forward_config = self.tp.config if self.tp else config
         if self.tp:
             params, kv_sharding = self.tp.shard_params(params, config), self.tp.kv_sharding
-        self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding)
+        self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding, self.kv_dtype)
         # "packed"/"gguf": the CPU kernels' weights; weight_blocks (load_gguf_blocks) serve "gguf" only.
         if self.matmul_backend != "xla":
             params = with_packed_weights(params, weight_blocks if self.matmul_backend == "gguf" else None)
@@ -130,7 +131,8 @@ class ModelRunner:
         # Ragged attention (the CPU kernel on every layer) reads each request's lengths from the metadata: the
         # padded attention shape then costs nothing, so a step's signature drops the longest chunk and the
         # attended length (the block table is always `table_width` wide; ~0.4 ms a step at 64 x 8192).
-        self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None
+        self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None \
+            and self.kv_dtype == jnp.float32
         self.table_width = bucket(min(self.max_context, num_slots), 64)
         self.compiles = 0
         self.unplanned_compiles = 0  # signatures met while serving that precompile() had not built
@@ -151,7 +153,7 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         sharding = self.tp.kv_sharding if self.tp else None
-        self.kv = allocate_pool(self.forward_config, self.num_slots, sharding)
+        self.kv = allocate_pool(self.forward_config, self.num_slots, sharding, self.kv_dtype)
 
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:

@@ -93,7 +93,7 @@ def _native_decode_attention(
     qg = qg.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     k = k_pool[:, meta.block_table]  # [Hkv, B, L, D]
     v = v_pool[:, meta.block_table]
-    scores = jnp.einsum("bhgd,hbld->bhgl", qg, k) * scale
+    scores = jnp.einsum("bhgd,hbld->bhgl", qg.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
     visible = key_pos[None, :] < meta.kv_lens[:, None]
     if meta.sliding_window is not None:  # the new token is position kv_len - 1: keys from kv_len - W on
@@ -101,7 +101,8 @@ def _native_decode_attention(
     # Padding rows (kv_len 0) attend uniformly to slot 0 instead of nothing: finite, and never read.
     mask = visible | (meta.kv_lens[:, None] == 0)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bhgl,hbld->bhgd", probs, v).reshape(batch, num_q_heads, head_dim)
+    out = jnp.einsum("bhgl,hbld->bhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.astype(q.dtype).reshape(batch, num_q_heads, head_dim)
     # Back to flat token order (the identity for the runner's decode batches); padding rows are dropped.
     rows = jnp.where(meta.q_len > 0, meta.q_start, num_tokens)
     return jnp.zeros_like(q).at[rows].set(out, mode="drop")
@@ -131,7 +132,7 @@ def native_paged_attention(
 
     k = k_pool[:, meta.block_table]  # [Hkv, B, L, D]
     v = v_pool[:, meta.block_table]
-    scores = jnp.einsum("hgbsd,hbld->hgbsl", qp, k) * scale
+    scores = jnp.einsum("hgbsd,hbld->hgbsl", qp.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
     mask = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < meta.kv_lens[:, None, None])
     if meta.sliding_window is not None:
@@ -140,7 +141,8 @@ def native_paged_attention(
     # Padding queries have no valid key: keep their softmax finite, their output is never read.
     scores = jnp.where(mask.any(-1)[None, None, :, :, None], scores, 0.0)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("hgbsl,hbld->hgbsd", probs, v)  # [Hkv, G, B, S, D]
+    out = jnp.einsum("hgbsl,hbld->hgbsd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32).astype(q.dtype)  # [Hkv, G, B, S, D]
     out = out.transpose(2, 3, 0, 1, 4).reshape(batch * meta.max_q_len, num_q_heads, head_dim)
 
     # Scatter back to the flat token order; padding rows go to an out-of-range index and are dropped.

@@ -30,7 +30,13 @@ PROJECTIONS = (("wq", "wk", "wv"), ("wo",), ("w_gate", "w_up"), ("w_down",))
 
 
 def linear(x: jax.Array, w: jax.Array | PackedWeight | QuantWeight) -> jax.Array:
-    return packed_matmul(x, w) if isinstance(w, PACKED_TYPES) else x @ w
+    return packed_matmul(x, w) if isinstance(w, PACKED_TYPES) else mm(x, w)
+
+
+def mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` in the weight's dtype, accumulated in float32 and returned in the weight's dtype: a bfloat16
+    model multiplies bfloat16 operands (no float32 copy of a weight) with float32 sums (the dtype policy)."""
+    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(w.dtype)
 
 
 def _packed(layer: Params, names: tuple[str, ...]) -> PackedWeight | QuantWeight | None:
@@ -46,7 +52,7 @@ def _normed_qkv(h: jax.Array, layer: Params, eps: float) -> jax.Array | list[jax
         qkv = packed_matmul(h, packed, norm=layer["attn_norm"], eps=eps)
         return qkv + jnp.concatenate([layer["bq"], layer["bk"], layer["bv"]]) if "bq" in layer else qkv
     x = rms_norm(h, layer["attn_norm"], eps)
-    qkv = [x @ layer[name] for name in ("wq", "wk", "wv")]
+    qkv = [mm(x, layer[name]) for name in ("wq", "wk", "wv")]
     return [y + layer[b] for y, b in zip(qkv, ("bq", "bk", "bv"))] if "bq" in layer else qkv
 
 
@@ -55,7 +61,7 @@ def _attention_output(h: jax.Array, attn: jax.Array, layer: Params) -> jax.Array
     residual = h + layer["bo"] if "bo" in layer else h
     if (packed := _packed(layer, ("wo",))) is not None:
         return packed_matmul(attn, packed, residual=residual)
-    return residual + attn @ layer["wo"]
+    return residual + mm(attn, layer["wo"])
 
 
 def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
@@ -64,7 +70,7 @@ def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
         gate_up = packed_matmul(h, packed, norm=layer["mlp_norm"], eps=eps)
         return packed_matmul(gate_up, layer["w_down"], swiglu=True, residual=h)
     x = rms_norm(h, layer["mlp_norm"], eps)
-    return h + (jax.nn.silu(x @ layer["w_gate"]) * (x @ layer["w_up"])) @ layer["w_down"]
+    return h + mm(jax.nn.silu(mm(x, layer["w_gate"])) * mm(x, layer["w_up"]), layer["w_down"])
 
 
 def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
@@ -112,8 +118,10 @@ def with_packed_weights(params: Params, blocks: tuple[list[dict], Any] | None = 
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + eps) * weight
+    """In float32, returned in x's dtype (as transformers' LlamaRMSNorm: normalize in float32, cast, scale)."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype) * weight.astype(x.dtype)
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -127,7 +135,8 @@ def rope(x: jax.Array, cos: jax.Array, signed_sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on [T, H, hd] (HF layout; the GGUF loader undoes llama.cpp's interleaving):
     ``[x1 cos - x2 sin, x2 cos + x1 sin]``, written with a roll of the halves instead of a concatenation
     of two results (XLA CPU's concatenate took ~40 us per layer at 16 tokens; this is ~3x faster)."""
-    return x * cos + jnp.roll(x, x.shape[-1] // 2, axis=-1) * signed_sin
+    x32 = x.astype(jnp.float32)  # in float32, returned in x's dtype
+    return (x32 * cos + jnp.roll(x32, x.shape[-1] // 2, axis=-1) * signed_sin).astype(x.dtype)
 
 
 def _layer(
@@ -163,8 +172,8 @@ def _layer(
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q, k = rope(q, *rope_cos_sin), rope(k, *rope_cos_sin)
         # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
-        k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1))
-        v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1))
+        k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1).astype(k_pool.dtype))
+        v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1).astype(v_pool.dtype))
         attn = attention.attend(q, k_pool, v_pool, meta, scale)
     h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
     return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool
@@ -199,6 +208,10 @@ def forward_hidden(
 
 def lm_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """Logits [N, V] for hidden states [N, D]; tied models reuse the embedding matrix."""
-    if "lm_head" in params:
-        return linear(hidden, params["lm_head"])
-    return jnp.einsum("nd,vd->nv", hidden, params["embed"])
+    head = params.get("lm_head")
+    if isinstance(head, PACKED_TYPES):
+        return packed_matmul(hidden, head)
+    if head is not None:  # float32 logits whatever the weights' dtype
+        return jnp.matmul(hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    embed = params["embed"]
+    return jnp.einsum("nd,vd->nv", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
