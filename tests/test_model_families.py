@@ -178,15 +178,26 @@ def test_pallas_backend_honours_the_window(checkpoints, family):
 
 
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
-    # The loader upcasts bf16 safetensors to float32: the same numbers transformers computes with after
-    # loading the bf16 file in float32.
+    """A bf16 checkpoint is read as stored (bf16, not a float32 copy); upcast (the CPU policy) it computes what
+    transformers computes after loading the file in float32, and an engine with dtype bfloat16 holds exactly the
+    file's bits."""
+    from jsgl.engine.engine import Engine
+
     build_checkpoint("qwen3", tmp_path, torch.bfloat16)
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     config, params = load_model(tmp_path)
-    assert all(np.asarray(w).dtype == np.float32 for w in jax.tree.leaves(params))
+    assert all(str(np.asarray(w).dtype) == "bfloat16" for w in jax.tree.leaves(params))
     ids = load_tokenizer(str(tmp_path))(PROMPTS[0]).input_ids
-    ours = jsgl_logits(config, jax.tree.map(jnp.asarray, params), "native", ids)
+    ours = jsgl_logits(config, jax.tree.map(lambda w: jnp.asarray(w, jnp.float32), params), "native", ids)
     assert relative_error(ours, hf_logits(model, ids)) < 1e-4
+    engine = Engine(model=str(tmp_path), dtype="bfloat16", kv_cache_gb=0.01)
+    try:
+        got = np.asarray(engine.runner.params["layers"][1]["wq"])
+        assert got.dtype == params["layers"][1]["wq"].dtype
+        np.testing.assert_array_equal(got.view(np.uint16), params["layers"][1]["wq"].view(np.uint16))
+        assert engine.generate(PROMPTS[0], {"max_new_tokens": 3, "ignore_eos": True}).completion_tokens == 3
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("family,rope", [

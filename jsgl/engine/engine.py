@@ -88,8 +88,9 @@ class Engine:
         if not float32 and (matmul != "xla" or attention == "cpu"):
             raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU kernels are float32; use "
                              "matmul_backend=xla and attention_backend=native (or auto)")
-        if self.dtype != jnp.float32:  # weights cast once, on the host (ml_dtypes), before any device copy
-            np_params = jax.tree.map(lambda x: np.asarray(x).astype(self.dtype), np_params)
+        # Weights cast once, on the host (ml_dtypes), before any device copy: a bfloat16 checkpoint stays
+        # bfloat16 under dtype bfloat16, and becomes float32 for the CPU kernels.
+        np_params = jax.tree.map(lambda x: x if x.dtype == self.dtype else np.asarray(x).astype(self.dtype), np_params)
         # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
         self.runner = ModelRunner(self.model_config,
                                   np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,

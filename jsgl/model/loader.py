@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
@@ -58,7 +59,8 @@ _GLOBAL_TENSORS = {
 
 
 def load_model(model: str | os.PathLike) -> tuple[ModelConfig, Params]:
-    """Config and float32 numpy params of a model alias, .gguf file or HF folder."""
+    """Config and numpy params of a model alias, .gguf file (float32, dequantized) or HF folder (its bfloat16 or
+    float16 kept, anything else float32)."""
     path = resolve_model_path(model)
     if path.is_dir():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -315,18 +317,46 @@ def _check_layer(layer: dict[str, np.ndarray], config: ModelConfig, index: int, 
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+_SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+                       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                       "BOOL": np.bool_}
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file as a read-only view of the memory-mapped file, in its stored dtype
+    (bfloat16 through ml_dtypes: safetensors' numpy reader refuses it). Nothing is read until a tensor is used,
+    so a sharded checkpoint costs host memory only for the tensors converted so far."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in _SAFETENSORS_DTYPES:
+            raise UnsupportedModelError(f"{file.name}: tensor {name} has dtype {entry['dtype']}, which jsgl does "
+                                        "not read")
+        start, end = entry["data_offsets"]
+        out[name] = data[start:end].view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return out
+
+
 def _load_hf(path: Path, config: ModelConfig) -> Params:
+    """Weights in their stored dtype when it is bfloat16 or float16 (the engine casts them to its dtype policy:
+    a bfloat16 checkpoint stays bfloat16 on a GPU); float32 otherwise."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors weights")
     raw: dict[str, np.ndarray] = {}
     for f in files:
-        raw.update(load_file(f))
+        raw.update(read_safetensors(f))
     used: set[str] = set()
 
     def get(name: str) -> np.ndarray:
         used.add(name)
-        return np.asarray(raw[name], dtype=np.float32)
+        x = raw[name]
+        return np.array(x) if x.dtype in (np.float16, ml_dtypes.bfloat16) else np.asarray(x, dtype=np.float32)
 
     tensors = {ours: get(h) for ours, (_, h) in _GLOBAL_TENSORS.items() if h in raw}
     if config.tie_word_embeddings:
