@@ -135,6 +135,7 @@ class Engine:
             return 0.0
         t0 = time.perf_counter()
         self.runner.precompile(plan)
+        self.constraints.backend.warm()
         seconds = time.perf_counter() - t0
         log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), self.config.precompile, seconds)
         return seconds

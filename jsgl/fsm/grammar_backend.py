@@ -30,6 +30,7 @@ from jsgl.fsm.constraint import RegexConstraint
 from jsgl.fsm.json_schema import json_schema_to_regex
 from jsgl.fsm.regex_fsm import validate_regex
 from jsgl.fsm.token_index import TokenIndex
+from jsgl.fsm.vocab import vocab_bytes
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 BACKENDS = ("jsgl", "llguidance")
@@ -122,6 +123,9 @@ class GrammarBackend(ABC):
     def release(self, future: Future) -> None:  # noqa: B027  (optional hook: most backends hold nothing)
         """The request no longer needs `future` (an unshared build may stop)."""
 
+    def warm(self) -> None:  # noqa: B027  (optional hook)
+        """Do now, at engine start, the per-tokenizer work a first grammar would otherwise wait for."""
+
     def forced_tail(self, constraint: Any, output_ids: list[int]) -> ForcedTail | None:
         """The tokens every continuation starts with, or None (no jump-forward by default)."""
         return None
@@ -158,6 +162,9 @@ class JsglGrammarBackend(GrammarBackend):
 
     def release(self, future: Future) -> None:
         release_index(future)
+
+    def warm(self) -> None:
+        vocab_bytes(self.tokenizer)  # every token's bytes: 0.3-0.6 s, which a first regex request waited for
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
