@@ -513,7 +513,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         count("drained")
 
 
-SETTINGS = settings(max_examples=examples(200), stateful_step_count=30, deadline=None,
+# Derandomized in the full suite: its coverage check (every required path taken) must not depend on the run's
+# seed (one random run in ~three missed in_batch_deferral); the quick loop stays random.
+SETTINGS = settings(max_examples=examples(200), stateful_step_count=30, deadline=None, derandomize=not conftest.QUICK,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
