@@ -21,6 +21,17 @@ from jsgl.kernels.pallas_attention import (
     pallas_paged_attention,
 )
 
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch):
+    """The kernels interpreted, not chosen per lowering platform: that choice traces the compiled Triton
+    variant too (~1 s a test here); tests/test_gpu_lowering.py checks it, and the tests below that lower for
+    CUDA pass interpret=False."""
+    import jsgl.kernels.pallas_attention as pallas_attention
+
+    monkeypatch.setattr(pallas_attention, "INTERPRET", True)
+
+
 HEAD_DIM = 16
 SCALE = HEAD_DIM**-0.5
 def extra(*values):
