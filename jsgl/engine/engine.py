@@ -78,13 +78,13 @@ class Engine:
         num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
         self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
-        # The CPU kernels are float32: another dtype takes XLA's dot and the native attention.
+        # The CPU kernels are float32: under another dtype "auto" means XLA's dot and the native attention.
+        matmul, attention = cfg.matmul_backend, cfg.attention_backend
         float32 = self.dtype == jnp.float32 and self.kv_dtype == jnp.float32
-        matmul = cpu_kernels.resolve_matmul_backend(cfg.matmul_backend if float32 or cfg.matmul_backend != "auto"
-                                                    else "xla", cfg.tp)
-        attention = cfg.attention_backend
-        if not float32 and attention == "auto" and jax.default_backend() == "cpu":
-            attention = "native"
+        if not float32 and jax.default_backend() == "cpu":
+            matmul = "xla" if matmul == "auto" else matmul
+            attention = "native" if attention == "auto" else attention
+        matmul = cpu_kernels.resolve_matmul_backend(matmul, cfg.tp)
         if not float32 and (matmul != "xla" or attention == "cpu"):
             raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU kernels are float32; use "
                              "matmul_backend=xla and attention_backend=native (or auto)")
