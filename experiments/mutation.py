@@ -29,6 +29,9 @@ TARGETS = {
                          ["tests/test_scheduler_state_machine.py", "tests/test_radix_tree.py"]),
     "scheduler": ("jsgl/engine/scheduler.py", ["tests/test_scheduler_state_machine.py", "tests/test_radix_tree.py"]),
     "jump_forward": ("jsgl/fsm/jump_forward.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
+    "token_index": ("jsgl/fsm/token_index.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
+    "json_schema": ("jsgl/fsm/json_schema.py", ["tests/test_fsm_json.py"]),
+    "streaming": ("jsgl/server/streaming.py", ["tests/test_server_unit.py"]),
 }
 
 SETUP_CFG = """[mutmut]
@@ -49,8 +52,10 @@ timeout_multiplier=5
 """
 
 
-def run_target(name: str, jobs: int, show: bool, workdir: Path) -> collections.Counter:
+def run_target(name: str, jobs: int, show: bool, workdir: Path,
+               tests_override: list[str] | None = None) -> collections.Counter:
     module, tests = TARGETS[name]
+    tests = tests_override or tests
     copy = workdir / name
     shutil.rmtree(copy, ignore_errors=True)
     copy.mkdir(parents=True)
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"some of {', '.join(TARGETS)} (default: all)")
     parser.add_argument("-j", "--jobs", type=int, default=2, help="mutmut worker processes")
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--tests", nargs="+", metavar="FILE",
+                        help="test files to run instead of the target's own (while writing new tests)")
     parser.add_argument("--workdir", type=Path, help="where the copies go (default: a temporary folder, kept)")
     args = parser.parse_args(argv)
     unknown = set(args.targets) - set(TARGETS)
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="jsgl-mutation-"))
     print(f"copies under {workdir}")
-    table = {name: run_target(name, args.jobs, args.show, workdir) for name in (args.targets or TARGETS)}
+    table = {name: run_target(name, args.jobs, args.show, workdir, args.tests) for name in (args.targets or TARGETS)}
     print("\n| module | total | killed | timeout | survived | other |")
     print("|---|---|---|---|---|---|")
     for name, c in table.items():
