@@ -31,7 +31,7 @@ TARGETS = {
     "jump_forward": ("jsgl/fsm/jump_forward.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
     "token_index": ("jsgl/fsm/token_index.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
     "json_schema": ("jsgl/fsm/json_schema.py", ["tests/test_fsm_json.py"]),
-    "streaming": ("jsgl/server/streaming.py", ["tests/test_server_unit.py"]),
+    "streaming": ("jsgl/server/streaming.py", ["tests/test_streaming.py"]),
 }
 
 SETUP_CFG = """[mutmut]
