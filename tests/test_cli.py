@@ -43,6 +43,10 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
                      "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
+    "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
+                        None),
+    # Every figure from one program per workload, the first workload of each config.
+    "figures": (["figures", "--quick", "--programs", "1", "--max-workloads", "1", "--out", "figs"], None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
@@ -107,7 +111,7 @@ def test_every_bench_in_the_readme_is_covered():
     for line in re.findall(r"jsgl bench \w+\s+#.*also: ([\w, ]+)", text):
         names.update(n.strip() for n in line.split(","))
     assert {"decode", "radix", "json", "llm_judge", "server", "api_spec", "tp", "soak", "validation", "grammar",
-            "device"} <= names
+            "device", "workloads"} <= names
     assert names <= {name.split()[1] for name in COMMANDS if name.startswith("bench ")}, names
 
 
@@ -203,6 +207,31 @@ def test_bench_serve(results):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
     assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
     assert all(r[-1] == "0" for r in rows.values()), out
+
+
+def test_bench_workloads(results):
+    out, _ = finished(results, "bench workloads")
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in out.splitlines() if line.startswith("| ")}
+    assert {"MMLU (5-shot)", "JSON decoding (regex)"} <= set(rows), out
+    for name in ("MMLU (5-shot)", "JSON decoding (regex)"):
+        assert rows[name][1] == "1" and float(rows[name][2]) > 0 and rows[name][-1].strip(" |") == "0", out
+
+
+def test_figures(results):
+    """`jsgl figures --quick` on a slice: every figure's PNG, and a table with a row per workload for each."""
+    out, _ = finished(results, "figures")
+    figs = results.cwd / "figs"
+    pngs = {"fig5_throughput.png", "fig6_latency.png", "fig13_hit_rates.png", "fig8ab_hit_rate.png",
+            "fig8c_ablations.png"}
+    assert pngs <= {p.name for p in figs.iterdir()}, out
+    assert all((figs / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    md = (figs / "results.md").read_text()
+    sections = md.split("\n## ")[1:]
+    assert [s.split(":")[0] for s in sections] == ["Fig. 5", "Fig. 6", "Fig. 13", "Fig. 8(a)(b)", "Fig. 8(c)"], md
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
+        assert rows and all(re.search(r"\d", row) for row in rows), section
+    assert "- commit: " in md and "- machine: " in md and "jsgl figures --quick" in md
 
 
 def test_serve_dry_run(results):

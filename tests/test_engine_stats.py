@@ -35,5 +35,20 @@ def test_the_optimal_hit_rate_trie_is_bounded(engine, monkeypatch):
     for i in range(6):
         engine.generate(f"A different prompt number {i} about something else entirely", GREEDY)
     wait_idle(engine)
-    assert engine._distinct.distinct_tokens < 40 + 20  # reset before it grew past the bound (+ one prompt)
+    assert engine._distinct.nodes < 40 + 20  # reset before it grew past the bound (+ one prompt)
     assert engine.scheduler.stats.batched_requests >= engine.scheduler.stats.steps  # running totals, no list
+
+
+def test_the_optimum_counts_a_continuation_of_an_earlier_output_as_a_hit():
+    """A program's second call extends its first call's prompt + output: the cache holds both, so the
+    optimum (Theorem 3.1) must not count the output's tokens as distinct prompt tokens."""
+    from jsgl.radix.metrics import DistinctPrefixCounter
+
+    counter = DistinctPrefixCounter()
+    counter.add([1, 2, 3])  # first call: 3 prompt tokens, all distinct
+    counter.add_generated([1, 2, 3, 7, 8])  # ... which generated 7 8
+    counter.add([1, 2, 3, 7, 8, 9])  # second call: only 9 is new
+    assert (counter.prompt_tokens, counter.distinct_tokens, counter.nodes) == (9, 4, 6)
+    assert counter.optimal_hit_rate == 1 - 4 / 9
+    counter.add([1, 2, 4])  # a branch off the first prompt
+    assert (counter.prompt_tokens, counter.distinct_tokens, counter.nodes) == (12, 5, 7)

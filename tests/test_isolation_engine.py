@@ -153,6 +153,28 @@ def test_a_failure_that_loses_the_kv_pools_fails_the_batch_and_the_engine_recove
     assert_no_leak(engine)
 
 
+def test_a_schedule_that_fails_midway_through_moving_a_request_still_answers_it(engine, solo, monkeypatch):
+    """A failure between two queues (a retraction whose release raised, found by the hit-rate sweep) left the
+    request in none of them: it never finished and its caller waited forever. Now every live request in no
+    queue is failed with the step, and the engine keeps serving."""
+    original = engine.scheduler.schedule
+    state = {"fail": True}
+
+    def schedule():
+        if state["fail"] and engine.scheduler.waiting:
+            state["fail"] = False
+            engine.scheduler.waiting.pop(0)  # in flight between queues when the error hits
+            raise RuntimeError("broken retraction")
+        return original()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    out = engine.submit("Hi there", {"max_new_tokens": 4}).result(timeout=60)
+    assert out.finish_reason == FinishReason.ABORT and out.abort_reason == AbortReason.STEP_FAILED
+    assert "broken retraction" not in out.error
+    assert_victim_ok(engine.generate(*VICTIM), solo)
+    assert_no_leak(engine)
+
+
 def test_client_abort_is_typed(engine):
     handle = engine.submit("Count: 1, 2,", {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True})
     handle.abort()

@@ -25,6 +25,9 @@ class EngineConfig:
     matmul_backend: str = "auto"  # auto | xla | packed | gguf (kernels of jsgl.kernels.cpu; gguf: Q4_1/Q8_0 blocks)
     attention_budget_gb: float = 0.5  # bound on an extend step's padded attention scores
     prefix_cache: str = "radix"  # radix | flat | none
+    # Fig. 8(a)(b): use only this fraction of each radix prefix match (the rest is recomputed), which sets
+    # a workload's cache hit rate (Scheduler.match_fraction). 1.0: the whole match.
+    cache_match_fraction: float = 1.0
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
     starvation_s: float | None = 30.0  # waiting longer than this goes first
     jump_forward: bool = True  # compressed-FSM jump-forward for regex/json_schema requests
@@ -49,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"precompile must be off, common or all, not {self.precompile!r}")
         if self.prefix_cache not in ("radix", "flat", "none"):
             raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
+        if not 0.0 <= self.cache_match_fraction <= 1.0:
+            raise ValueError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
+        if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
+            raise ValueError("cache_match_fraction < 1 needs prefix_cache radix")
         if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 16:
             raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")
         if min(self.max_top_logprobs, self.max_stop_sequences, self.max_stop_chars) < 0 \

@@ -53,7 +53,7 @@ from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
 log = logging.getLogger("jsgl.engine")
 
-HIT_RATE_WINDOW_TOKENS = 1 << 18  # distinct prompt tokens the optimal-hit-rate trie may hold (~60 MB)
+HIT_RATE_WINDOW_TOKENS = 1 << 18  # tokens the optimal-hit-rate trie may hold (~60 MB)
 
 
 class Engine:
@@ -105,7 +105,7 @@ class Engine:
             chunk_size=cfg.chunked_prefill_size, max_context=self.max_context,
             attention_budget_bytes=int(cfg.attention_budget_gb * (1 << 30)),
             attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
-            padded_attention=not self.runner.ragged)
+            padded_attention=not self.runner.ragged, match_fraction=cfg.cache_match_fraction)
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -253,7 +253,7 @@ class Engine:
         return {
             **tree,
             # Achieved and optimal hit rates cover the same window: since start, the last flush, or the
-            # last time the optimum's trie reached HIT_RATE_WINDOW_TOKENS distinct tokens. (The optimum
+            # last time the optimum's trie reached HIT_RATE_WINDOW_TOKENS tokens. (The optimum
             # assumes an empty cache at the window's start: just after a size reset, the tree's older
             # entries can let the achieved rate exceed it; after a flush it cannot.)
             "cache_hit_rate": (s.cached_tokens - self._window[1]) / window_prompt if window_prompt else 0.0,
@@ -326,7 +326,7 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 stopped = self._stopped
             for seq in inbox:
-                if self._distinct.distinct_tokens >= HIT_RATE_WINDOW_TOKENS:
+                if self._distinct.nodes >= HIT_RATE_WINDOW_TOKENS:
                     self._reset_hit_rate_window()  # bound the trie: a long-running server's memory stays flat
                 self._distinct.add(seq.prompt_ids)
                 if seq.constraint_ready is not None:
@@ -354,11 +354,29 @@ class Engine:
                 lost_kv = not self.runner.kv_intact()  # the pools were donated to the failed call
                 if lost_kv:
                     self.runner.reset_kv()
-                for seq in [*self.scheduler.prefilling, *self.scheduler.running]:
-                    self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED,
-                                 f"internal error in the engine step (error id {error_id})")
+                for seq in [*self.scheduler.prefilling, *self.scheduler.running, *self._orphans()]:
+                    message = f"internal error in the engine step (error id {error_id})"
+                    try:
+                        self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED, message)
+                    except Exception:  # its state is what broke: answer the caller anyway (its KV may leak)
+                        log_failure(f"request {seq.rid} could not be released after {error_id}")
+                        seq.finish_reason, seq.abort_reason, seq.error = (FinishReason.ABORT,
+                                                                          AbortReason.STEP_FAILED, message)
+                        with self._lock:
+                            self._by_id.pop(seq.rid, None)
+                        seq.publish()
                 if lost_kv:  # what the tree points at is gone too
                     self.prefix_cache.evict(self.prefix_cache.total_size())
+
+    def _orphans(self) -> list[Sequence]:
+        """Live requests in no queue: a step that failed midway through moving one (a retraction between
+        `running` and `waiting`) would otherwise leave its caller waiting forever."""
+        queued = {id(s) for s in [*self._pending, *self.scheduler.waiting, *self.scheduler.prefilling,
+                                  *self.scheduler.running]}
+        with self._lock:
+            live = list(self._by_id.values())
+            queued.update(id(s) for s in self._inbox)
+        return [s for s in live if id(s) not in queued and s.finish_reason is None]
 
     def _run_flushes(self) -> None:
         with self._lock:
@@ -464,6 +482,7 @@ class Engine:
         seq.publish()
 
     def _retire(self, seq: Sequence) -> None:
+        self._distinct.add_generated(seq.token_ids)  # the cache keeps the output too: later prompts may reuse it
         self.scheduler.drop(seq)
         self._release_constraints([seq])
         with self._lock:

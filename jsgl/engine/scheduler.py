@@ -56,7 +56,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, prefix_cache: PrefixCacheBase | None, *, max_running: int,
                  chunk_size: int, max_context: int, attention_budget_bytes: int,
-                 attention_bytes: Any, order_waiting: Any | None = None, padded_attention: bool = True):
+                 attention_bytes: Any, order_waiting: Any | None = None, padded_attention: bool = True,
+                 match_fraction: float = 1.0):
         self.allocator = allocator
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.max_running = max_running
@@ -69,6 +70,9 @@ class Scheduler:
         # False: attention costs the batch's real lengths (ragged kernel), so chunks of any lengths mix.
         self.padded_attention = padded_attention
         self.order_waiting = order_waiting  # policy hook: list[Sequence] -> list[Sequence]
+        # Fig. 8(a)(b)'s hit-rate sweep: admission reuses only this leading fraction of each prefix match (the
+        # rest is recomputed, and its duplicate slots freed when the sequence is inserted back).
+        self.match_fraction = match_fraction
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
         self.running: list[Sequence] = []  # decoding
@@ -149,6 +153,8 @@ class Scheduler:
         limit = seq.num_tokens - 1
         if seq.wants_prompt_logprobs:
             limit = min(limit, max(seq.params.logprob_start_len - 1, 0))
+        if self.match_fraction < 1.0:
+            limit = min(limit, int(self.cache.match_len(seq.token_ids[:limit]) * self.match_fraction))
         slots, node = self.cache.match_prefix(seq.token_ids[:limit])
         page = self.allocator.page_size
         usable = len(slots) - len(slots) % page

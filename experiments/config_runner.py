@@ -1,0 +1,150 @@
+"""Ablation configs as files (`experiments/configs/*.toml`), run with `jsgl bench --config FILE`.
+
+A config names the workloads, the model, the engine options every run shares, and the grid: one
+`[[runs]]` entry per system configuration, each with its own engine options and frontend switches.
+
+    title = "Fig. 8(c): ablations"
+    figure = "fig8c"                    # which figure `jsgl figures` draws from it
+    workloads = ["mmlu", "llm_judge"]   # or "all"
+    [engine]                            # EngineConfig fields (the `jsgl serve` flags), shared
+    max_running_requests = 64
+    [[runs]]
+    label = "no cache"
+    engine = { prefix_cache = "none" }
+    [[runs]]
+    label = "no frontend hint"
+    frontend = { prefix_hint = false }  # also: parallelism = false
+
+Runs with the same engine options share one engine (its compiled steps carry over); every workload
+starts from a flushed cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from jsgl.experiments.bench_workloads import describe_machine, print_table, run_workload
+from jsgl.experiments.workloads import get_workload, workload_names
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+TOP_KEYS = {"title", "figure", "workloads", "quick_workloads", "model", "programs", "quick_programs",
+            "latency_programs", "engine", "runs", "note"}
+RUN_KEYS = {"label", "engine", "frontend"}
+FRONTEND_KEYS = {"parallelism", "prefix_hint"}
+
+
+class ConfigError(ValueError):
+    """A config file that names something jsgl does not have."""
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read and check a config: unknown keys, workloads or engine options are refused by name."""
+    from jsgl.engine.config import EngineConfig
+
+    path = Path(path)
+    if not path.exists() and (CONFIG_DIR / path).exists():
+        path = CONFIG_DIR / path
+    try:
+        cfg = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    cfg.setdefault("title", path.stem)
+    cfg.setdefault("figure", path.stem)
+    cfg.setdefault("model", "smollm2-135m")
+    cfg.setdefault("engine", {})
+    if set(cfg) - TOP_KEYS:
+        raise ConfigError(f"{path}: unknown keys {sorted(set(cfg) - TOP_KEYS)}; known: {sorted(TOP_KEYS)}")
+    for key in ("workloads", "quick_workloads"):
+        names = cfg.get(key, "all" if key == "workloads" else [])
+        cfg[key] = workload_names() if names == "all" else list(names)
+        for name in cfg[key]:
+            get_workload(name)  # KeyError names the choices
+    if not cfg.get("runs"):
+        raise ConfigError(f"{path}: no [[runs]]")
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    for run in cfg["runs"]:
+        if set(run) - RUN_KEYS or "label" not in run:
+            raise ConfigError(f"{path}: a run needs a label and may have only {sorted(RUN_KEYS)}: {run}")
+        engine = {**cfg["engine"], **run.get("engine", {})}
+        if set(engine) - fields:
+            raise ConfigError(f"{path}: run {run['label']!r}: unknown engine options {sorted(set(engine) - fields)}")
+        if set(run.get("frontend", {})) - FRONTEND_KEYS:
+            raise ConfigError(f"{path}: run {run['label']!r}: frontend switches are {sorted(FRONTEND_KEYS)}")
+        EngineConfig(model=cfg["model"], **engine)  # its own checks (ranges, choices)
+        run["engine_options"] = engine
+    return cfg
+
+
+def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = None, programs: int | None = None,
+               max_workloads: int | None = None) -> dict[str, Any]:
+    """Every run of the grid over the config's workloads (`quick`: its `quick_workloads` and each workload's
+    small batch; `programs`, `max_workloads`: smaller still, for smoke tests)."""
+    import jsgl.lang as sgl
+    from jsgl.lang import global_config
+
+    model = model or cfg["model"]
+    workloads = (cfg.get("quick_workloads") or cfg["workloads"]) if quick else cfg["workloads"]
+    workloads = workloads[:max_workloads] if max_workloads else workloads
+    runs, rt, rt_options = [], None, None
+    try:
+        for run in cfg["runs"]:
+            options = run["engine_options"]
+            if rt is None or options != rt_options:
+                if rt is not None:
+                    rt.shutdown()
+                rt, rt_options = sgl.Runtime(model=model, **options), options
+            frontend = run.get("frontend", {})
+            global_config.enable_parallelism = frontend.get("parallelism", True)
+            global_config.enable_prefix_hint = frontend.get("prefix_hint", True)
+            results = []
+            for name in workloads:
+                w = get_workload(name)
+                batch = programs or cfg.get("quick_programs" if quick else "programs") or (
+                    w.quick_programs if quick else w.programs)
+                latency = 1 if quick else cfg.get("latency_programs", w.latency_programs)
+                print(f"[{run['label']}] {w.title}: {batch} programs, {latency} alone", flush=True)
+                res = run_workload(w, rt, batch, latency)
+                print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
+                results.append(res)
+            runs.append({"label": run["label"], "engine": options, "frontend": frontend, "results": results})
+    finally:
+        global_config.enable_parallelism = True
+        global_config.enable_prefix_hint = True
+        if rt is not None:
+            rt.shutdown()
+    return {"title": cfg["title"], "figure": cfg["figure"], "model": model, "quick": quick,
+            "note": cfg.get("note", ""), **describe_machine(), "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="jsgl bench --config", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help=f"a TOML file (or the name of one in {CONFIG_DIR})")
+    ap.add_argument("--quick", action="store_true", help="each workload's small batch, one latency program")
+    ap.add_argument("--model", default=None, help="override the config's model")
+    ap.add_argument("--programs", type=int, default=None, help="programs per workload (smoke tests)")
+    ap.add_argument("--max-workloads", type=int, default=None, help="only the first K workloads (smoke tests)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, KeyError) as exc:
+        ap.error(str(exc))
+    out = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
+                     max_workloads=args.max_workloads)
+    for run in out["runs"]:
+        print(f"\n{run['label']} ({json.dumps(run['engine'])}, frontend {json.dumps(run['frontend'])})")
+        print_table(run["results"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    failed = [r for run in out["runs"] for r in run["results"] if r["errors"] or r["missing_outputs"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
