@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {
     "radix": ("jsgl/radix/radix_cache.py", ["tests/test_radix_tree.py"]),
     "sampler": ("jsgl/engine/sampler.py", ["tests/test_sampler.py"]),
-    "output_processor": ("jsgl/engine/output_processor.py",
-                         ["tests/test_scheduler_state_machine.py", "tests/test_radix_tree.py"]),
-    "scheduler": ("jsgl/engine/scheduler.py", ["tests/test_scheduler_state_machine.py", "tests/test_radix_tree.py"]),
+    "output_processor": ("jsgl/engine/output_processor.py", ["tests/test_output_processor.py"]),
+    "scheduler": ("jsgl/engine/scheduler.py",
+                  ["tests/test_scheduler_unit.py", "tests/test_scheduler_state_machine.py"]),
     "jump_forward": ("jsgl/fsm/jump_forward.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
     "token_index": ("jsgl/fsm/token_index.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
     "json_schema": ("jsgl/fsm/json_schema.py", ["tests/test_fsm_json.py"]),
