@@ -28,8 +28,10 @@ TARGETS = {
     "output_processor": ("jsgl/engine/output_processor.py", ["tests/test_output_processor.py"]),
     "scheduler": ("jsgl/engine/scheduler.py",
                   ["tests/test_scheduler_unit.py", "tests/test_scheduler_state_machine.py"]),
-    "jump_forward": ("jsgl/fsm/jump_forward.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
-    "token_index": ("jsgl/fsm/token_index.py", ["tests/test_fsm.py", "tests/test_fsm_json.py"]),
+    "jump_forward": ("jsgl/fsm/jump_forward.py",
+                     ["tests/test_fsm_index_unit.py", "tests/test_fsm.py", "tests/test_fsm_json.py"]),
+    "token_index": ("jsgl/fsm/token_index.py",
+                    ["tests/test_fsm_index_unit.py", "tests/test_fsm.py", "tests/test_fsm_json.py"]),
     "json_schema": ("jsgl/fsm/json_schema.py", ["tests/test_json_schema_unit.py"]),
     "streaming": ("jsgl/server/streaming.py", ["tests/test_streaming.py"]),
 }
