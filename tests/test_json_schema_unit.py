@@ -329,6 +329,26 @@ def test_array_prefix_items() -> None:
     assert full(compact, '[1,"a",true,false]') and not full(compact, '[1, "a"]')
 
 
+def test_bugs_this_file_found_stay_fixed() -> None:
+    """Found while writing this file (each accepted documents the schema refuses, or crashed)."""
+    # `items: false` alone allows only [] (the regex accepted "[, ]").
+    assert_agrees({"type": "array", "items": False}, POOL + [[], [1], [None, None]])
+    assert not full(rx({"type": "array", "items": False}), "[, ]")
+    fails("minItems 1 with items false: no array is valid", {"type": "array", "items": False, "minItems": 1})
+    # minItems beyond the prefix asks for more items (it was ignored).
+    grow = {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "integer"}, "minItems": 3}
+    assert assert_sound(grow, [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4], []]) == 2
+    fails("minItems 2 needs more than the 1 prefixItems, and items is false",
+          {"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2})
+    fails("maxItems 0 is smaller than the 1 prefixItems",
+          {"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "maxItems": 0})
+    # A type list naming an unknown type is refused by name (it was a KeyError: a 500).
+    fails("unknown type 'list'", {"type": ["integer", "list"]})
+    # Length bounds beside a pattern or an enforced format are refused, not dropped.
+    fails("minLength/maxLength together with pattern or format", {"type": "string", "format": "date", "maxLength": 3})
+    fails("minLength/maxLength together with pattern or format", {"type": "string", "pattern": "a+", "minLength": 2})
+
+
 # --- objects --------------------------------------------------------------------------------------------------
 
 PROPS = {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 2}, "c": {"type": "boolean"}}

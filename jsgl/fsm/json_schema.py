@@ -239,9 +239,11 @@ class _Converter:
         return spellings.pop() if len(spellings) == 1 else "(?:" + "|".join(sorted(spellings)) + ")"
 
     def typed(self, schema: dict[str, Any], t: str) -> str:
-        if t not in _BY_TYPE:
-            raise self.fail(f"unknown type {t!r}")
-        self.check_keys(schema, set().union(*(_BY_TYPE[x] for x in _as_list(schema.get("type", t)))))
+        types = _as_list(schema.get("type", t))
+        for x in [t, *types]:
+            if x not in _BY_TYPE:
+                raise self.fail(f"unknown type {x!r}")
+        self.check_keys(schema, set().union(*(_BY_TYPE[x] for x in types)))
         if t == "string":
             return self.string(schema)
         if t in ("integer", "number"):
@@ -255,6 +257,11 @@ class _Converter:
         return self.object(schema)
 
     def string(self, schema: dict[str, Any]) -> str:
+        enforced = "pattern" in schema or schema.get("format") in FORMATS
+        if enforced and ("minLength" in schema or "maxLength" in schema):
+            # The regex of a pattern or a format we enforce says nothing about length; ignoring the bound would
+            # accept strings the schema refuses. (An unknown format is an annotation: the bounds apply.)
+            raise self.fail("minLength/maxLength together with pattern or format")
         if "pattern" in schema:
             pattern = schema["pattern"]
             pattern = pattern[1:] if pattern.startswith("^") else pattern
@@ -327,14 +334,21 @@ class _Converter:
         items = schema.get("items", True if not prefix else False)
         item = self.convert(items) if items is not False else ""
         lo, hi = self.count_range(schema, "minItems", "maxItems", positions(sep + item), "items of this schema")
-        if prefix:
+        if prefix:  # every prefix item is generated (a valid subset of the arrays the schema allows)
             body = sep.join(prefix)
-            if items is not False:
+            if hi is not None and hi < len(prefix):
+                raise self.fail(f"maxItems {hi} is smaller than the {len(prefix)} prefixItems")
+            if items is False:
+                if lo > len(prefix):
+                    raise self.fail(f"minItems {lo} needs more than the {len(prefix)} prefixItems, and items is false")
+            else:
                 more = None if hi is None else hi - len(prefix)
-                if more is not None and more < 0:
-                    raise self.fail(f"maxItems {hi} is smaller than the {len(prefix)} prefixItems")
-                body += f"(?:{sep}{item}){{0,{'' if more is None else more}}}"
+                body += f"(?:{sep}{item}){{{max(lo - len(prefix), 0)},{'' if more is None else more}}}"
             return open_ + body + close
+        if items is False:  # no item is allowed: only the empty array
+            if lo > 0:
+                raise self.fail(f"minItems {lo} with items false: no array is valid")
+            return open_ + close
         if hi == 0:
             return open_ + close
         rest = f"(?:{sep}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}"
