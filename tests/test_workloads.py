@@ -103,54 +103,32 @@ def _check(name: str, state) -> None:
         assert "[3] «" in state.text() and isinstance(state["answer"], str)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(PAPER_WORKLOADS))
-def test_program_runs_with_its_output_shape(engine, name):
+@pytest.fixture(scope="module")
+def finished_states(engine):
+    """One program of every workload, all at once on the shared engine (their steps batch together: ~the
+    longest program's time, not the sum)."""
+    import concurrent.futures
+
     import jsgl.lang as sgl
 
-    w = get_workload(name)
     rt = sgl.Runtime(engine=engine)
-    states = w.program.run_batch(w.inputs(1), backend=rt, **w.sampling)
-    state = states[0]
-    state.sync()
+
+    def run(name):
+        w = get_workload(name)
+        state = w.program.run_batch(w.inputs(1), backend=rt, **w.sampling)[0]
+        state.sync()
+        return state
+
+    with concurrent.futures.ThreadPoolExecutor(len(PAPER_WORKLOADS)) as pool:
+        futures = {name: pool.submit(run, name) for name in sorted(PAPER_WORKLOADS)}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PAPER_WORKLOADS))
+def test_program_runs_with_its_output_shape(finished_states, name):
+    state = finished_states[name]
     assert state.error() is None, state.error()
-    for var in w.outputs:
+    for var in get_workload(name).outputs:
         state[var]
     _check(name, state)
-
-
-# ------------------------------------------------------------------ ablation configs (experiments/configs)
-
-def test_every_shipped_config_loads():
-    from jsgl.experiments.config_runner import CONFIG_DIR, load_config
-    from jsgl.experiments.figures import CONFIGS
-
-    files = sorted(p.name for p in CONFIG_DIR.glob("*.toml"))
-    assert sorted(CONFIGS.values()) == files
-    for name in files:
-        cfg = load_config(name)
-        assert cfg["runs"] and set(cfg["workloads"]) <= PAPER_WORKLOADS
-    fig5 = load_config("fig5_end_to_end.toml")
-    assert set(fig5["workloads"]) == PAPER_WORKLOADS
-    assert [r["engine_options"].get("prefix_cache", "radix") for r in fig5["runs"]] == ["radix", "none"]
-    sweep = load_config("fig8ab_hit_rate.toml")
-    assert [r["engine_options"]["cache_match_fraction"] for r in sweep["runs"]] == [0.0, 0.25, 0.5, 0.75, 1.0]
-
-
-@pytest.mark.parametrize("text, message", [
-    ('workloads = ["mmlu"]\nbogus = 1\n[[runs]]\nlabel = "a"\n', "unknown keys"),
-    ('workloads = ["nope"]\n[[runs]]\nlabel = "a"\n', "unknown workload"),
-    ('workloads = ["mmlu"]\n', "no \\[\\[runs\\]\\]"),
-    ('workloads = ["mmlu"]\n[[runs]]\nlabel = "a"\nengine = { prefix_cash = "none" }\n', "prefix_cash"),
-    ('workloads = ["mmlu"]\n[[runs]]\nlabel = "a"\nengine = { prefix_cache = "lru" }\n', "prefix_cache must be"),
-    ('workloads = ["mmlu"]\n[[runs]]\nlabel = "a"\nfrontend = { hints = false }\n', "frontend switches"),
-    ('workloads = ["mmlu"]\n[[runs]]\nengine = {}\n', "needs a label"),
-    ('workloads = [\n', "Expected|Invalid|expected"),
-])
-def test_a_bad_config_is_refused_by_name(tmp_path, text, message):
-    from jsgl.experiments.config_runner import load_config
-
-    path = tmp_path / "bad.toml"
-    path.write_text(text)
-    with pytest.raises((ValueError, KeyError), match=message):
-        load_config(path)
