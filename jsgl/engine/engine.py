@@ -53,9 +53,9 @@ from jsgl.radix.schedule_policy import POLICIES, order_waiting
 
 log = logging.getLogger("jsgl.engine")
 
-# Tokens the optimal-hit-rate trie may hold: ~256 B a node, so ~17 MB. Outputs go in too (a next call extends
-# them), which made a soak of unique sampled outputs grow the old 1 << 18 window (~67 MB) past its memory bound.
-HIT_RATE_WINDOW_TOKENS = 1 << 16
+# Tokens the optimal-hit-rate trie may hold: ~256 B a node, so ~8 MB. Outputs go in too (a next call extends
+# them); with them the old 1 << 18 window (~67 MB) let a soak of unique sampled outputs outgrow its memory bound.
+HIT_RATE_WINDOW_TOKENS = 1 << 15
 
 
 class Engine:
