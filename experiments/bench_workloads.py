@@ -16,6 +16,7 @@ Per workload, on one engine shared by all (its compiled steps carry over):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -73,6 +74,18 @@ def run_workload(w: Workload, rt: Any, programs: int, latency_programs: int) -> 
     }
 
 
+@contextlib.contextmanager
+def frontend_switches(parallelism: bool = True, prefix_hint: bool = True):
+    """Fig. 8(c)'s frontend ablations for the programs run inside; both back on afterwards."""
+    from jsgl.lang import global_config
+
+    global_config.enable_parallelism, global_config.enable_prefix_hint = parallelism, prefix_hint
+    try:
+        yield
+    finally:
+        global_config.enable_parallelism = global_config.enable_prefix_hint = True
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print("| workload | programs | throughput (programs/s) | latency (s) | hit rate | optimal | batch | compiles "
           "| errors |")
@@ -115,23 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [get_workload(n) for n in names]
 
     import jsgl.lang as sgl
-    from jsgl.lang import global_config
 
     rt = sgl.Runtime(model=args.model, prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
                      kv_cache_gb=args.kv_cache_gb, max_running_requests=args.max_running_requests)
-    global_config.enable_parallelism = not args.no_frontend_parallelism
-    global_config.enable_prefix_hint = not args.no_frontend_hint
     results = []
     try:
-        for w in workloads:
-            programs = args.programs or (w.quick_programs if args.quick else w.programs)
-            latency = args.latency_programs if args.latency_programs >= 0 else (1 if args.quick else w.latency_programs)
-            print(f"{w.title}: {programs} programs, {latency} alone ({w.source})", flush=True)
-            res = run_workload(w, rt, programs, latency)
-            results.append(res)
-            print("  " + json.dumps({k: v for k, v in res.items() if k not in ("title",)}), flush=True)
+        with frontend_switches(not args.no_frontend_parallelism, not args.no_frontend_hint):
+            for w in workloads:
+                programs = args.programs or (w.quick_programs if args.quick else w.programs)
+                latency = (args.latency_programs if args.latency_programs >= 0
+                           else (1 if args.quick else w.latency_programs))
+                print(f"{w.title}: {programs} programs, {latency} alone ({w.source})", flush=True)
+                res = run_workload(w, rt, programs, latency)
+                results.append(res)
+                print("  " + json.dumps({k: v for k, v in res.items() if k not in ("title",)}), flush=True)
     finally:
-        global_config.enable_parallelism = global_config.enable_prefix_hint = True
         rt.shutdown()
 
     print(f"\nmodel {args.model}, prefix cache {args.prefix_cache}, policy {args.schedule_policy}")

@@ -28,7 +28,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from jsgl.experiments.bench_workloads import describe_machine, print_table, run_workload
+from jsgl.experiments.bench_workloads import describe_machine, frontend_switches, print_table, run_workload
 from jsgl.experiments.workloads import get_workload, workload_names
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -98,7 +98,6 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
     """Every run of the grid over the config's workloads (`quick`: its `quick_workloads` and each workload's
     small batch; `programs`, `max_workloads`: smaller still, for smoke tests)."""
     import jsgl.lang as sgl
-    from jsgl.lang import global_config
 
     model = model or cfg["model"]
     workloads = (cfg.get("quick_workloads") or cfg["workloads"]) if quick else cfg["workloads"]
@@ -114,8 +113,6 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
                     release_memory()
                 rt, rt_options = sgl.Runtime(model=model, **options), options
             frontend = run.get("frontend", {})
-            global_config.enable_parallelism = frontend.get("parallelism", True)
-            global_config.enable_prefix_hint = frontend.get("prefix_hint", True)
             results = []
             for name in workloads:
                 w = get_workload(name)
@@ -123,13 +120,12 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
                     w.quick_programs if quick else w.programs)
                 latency = 1 if quick else cfg.get("latency_programs", w.latency_programs)
                 print(f"[{run['label']}] {w.title}: {batch} programs, {latency} alone", flush=True)
-                res = run_workload(w, rt, batch, latency)
+                with frontend_switches(frontend.get("parallelism", True), frontend.get("prefix_hint", True)):
+                    res = run_workload(w, rt, batch, latency)
                 print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
                 results.append(res)
             runs.append({"label": run["label"], "engine": options, "frontend": frontend, "results": results})
     finally:
-        global_config.enable_parallelism = True
-        global_config.enable_prefix_hint = True
         if rt is not None:
             rt.shutdown()
             rt = None
