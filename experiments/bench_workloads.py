@@ -22,9 +22,11 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jsgl.experiments.baselines import Target
 from jsgl.experiments.workloads import Workload, get_workload, workload_names
 
 
@@ -38,40 +40,51 @@ def _missing_outputs(state: Any, outputs: tuple[str, ...]) -> list[str]:
     return missing
 
 
-def run_workload(w: Workload, rt: Any, programs: int, latency_programs: int) -> dict[str, Any]:
+def run_workload(w: Workload, target: Target | Any, programs: int, latency_programs: int) -> dict[str, Any]:
+    """`target`: a baselines.Target, or a jsgl Runtime. Hit rates and batch sizes come from the engine's
+    statistics where the system has them (jsgl), else they are None."""
+    if not isinstance(target, Target):
+        target = Target.of_runtime(target)
+    backend = target.backend
     inputs = w.inputs(programs + latency_programs)
     batch, alone = inputs[:programs], inputs[programs:]
-    w.program.run_batch(batch[:2], backend=rt, num_threads=2, **w.sampling)  # compile this workload's shapes
-    rt.endpoint.flush_cache()
-    before = rt.stats()
+    w.program.run_batch(batch[:2], backend=backend, num_threads=2, **w.sampling)  # compile this workload's shapes
+    target.flush()
+    before = target.stats() if target.stats else None
     t0 = time.perf_counter()
-    states = w.program.run_batch(batch, backend=rt, num_threads=len(batch), **w.sampling)
+    states = w.program.run_batch(batch, backend=backend, num_threads=len(batch), **w.sampling)
     for s in states:
         s.sync()
     wall = time.perf_counter() - t0
-    after = rt.stats()
+    after = target.stats() if target.stats else None
     errors = [repr(s.error()) for s in states if s.error() is not None]
     missing = sorted({m for s in states if s.error() is None for m in _missing_outputs(s, w.outputs)})
     latencies = []
     for kwargs in alone:
         t1 = time.perf_counter()
-        w.program.run(backend=rt, **kwargs, **w.sampling).sync()
+        w.program.run(backend=backend, **kwargs, **w.sampling).sync()
         latencies.append(time.perf_counter() - t1)
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    steps = after["steps"] - before["steps"]
-    batched = after["mean_batch_size"] * after["steps"] - before["mean_batch_size"] * before["steps"]
-    return {
+    result = {
         "workload": w.name, "title": w.title, "programs": programs, "wall_s": round(wall, 3),
         "throughput": programs / wall, "latency_s": statistics.mean(latencies) if latencies else None,
-        "latency_programs": len(latencies), "prompt_tokens": prompt, "cached_tokens": cached,
+        "latency_programs": len(latencies), "errors": errors, "missing_outputs": missing,
+        "prompt_tokens": None, "cached_tokens": None, "computed_prefill_tokens": None, "hit_rate": None,
+        "optimal_hit_rate": None, "mean_batch_size": None, "compiles": None,
+    }
+    if before is None or after is None:
+        return result
+    steps = after["steps"] - before["steps"]
+    batched = after["mean_batch_size"] * after["steps"] - before["mean_batch_size"] * before["steps"]
+    result.update({
+        "prompt_tokens": after["prompt_tokens"] - before["prompt_tokens"],
+        "cached_tokens": after["cached_tokens"] - before["cached_tokens"],
         "computed_prefill_tokens": after["computed_prefill_tokens"] - before["computed_prefill_tokens"],
         # The engine's achieved and optimal rates cover the same window (the flush above started it; a run past
         # HIT_RATE_WINDOW_TOKENS distinct tokens is measured over its last window).
         "hit_rate": after["cache_hit_rate"], "optimal_hit_rate": after["optimal_hit_rate"],
-        "mean_batch_size": batched / steps if steps else 0.0,
-        "compiles": after["compiles"] - before["compiles"], "errors": errors, "missing_outputs": missing,
-    }
+        "mean_batch_size": batched / steps if steps else 0.0, "compiles": after["compiles"] - before["compiles"],
+    })
+    return result
 
 
 @contextlib.contextmanager
@@ -86,14 +99,31 @@ def frontend_switches(parallelism: bool = True, prefix_hint: bool = True):
         global_config.enable_parallelism = global_config.enable_prefix_hint = True
 
 
+@contextlib.contextmanager
+def _runtime(**options: Any) -> Iterator[Any]:
+    import jsgl.lang as sgl
+
+    rt = sgl.Runtime(**options)
+    try:
+        yield rt
+    finally:
+        rt.shutdown()
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
+    def cell(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     print("| workload | programs | throughput (programs/s) | latency (s) | hit rate | optimal | batch | compiles "
           "| errors |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        lat = f"{r['latency_s']:.2f}" if r["latency_s"] is not None else "-"
-        print(f"| {r['title']} | {r['programs']} | {r['throughput']:.3f} | {lat} | {r['hit_rate']:.3f} | "
-              f"{r['optimal_hit_rate']:.3f} | {r['mean_batch_size']:.1f} | {r['compiles']} | "
+        if r.get("skipped"):
+            print(f"| {r['title']} | - | skipped: {r['skipped']} | | | | | | |")
+            continue
+        print(f"| {r['title']} | {r['programs']} | {r['throughput']:.3f} | {cell(r['latency_s'], '.2f')} | "
+              f"{cell(r['hit_rate'], '.3f')} | {cell(r['optimal_hit_rate'], '.3f')} | "
+              f"{cell(r['mean_batch_size'], '.1f')} | {cell(r['compiles'], 'd')} | "
               f"{len(r['errors']) + len(r['missing_outputs'])} |")
 
 
@@ -116,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-programs", type=int, default=-1, help="programs timed alone (default: its own)")
     ap.add_argument("--quick", action="store_true", help="each workload's small batch, one latency program")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--system", default="jsgl", help="jsgl, or a peer system: vllm, llamacpp, transformers "
+                    "(experiments/baselines/; skipped with a message when not installed)")
     ap.add_argument("--prefix-cache", default="radix", choices=["radix", "flat", "none"])
     ap.add_argument("--schedule-policy", default="lpm")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -127,25 +159,36 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.only.split(",") if n.strip()] or workload_names()
     workloads = [get_workload(n) for n in names]
 
-    import jsgl.lang as sgl
+    if args.system != "jsgl":
+        from jsgl.experiments.baselines import get_system
 
-    rt = sgl.Runtime(model=args.model, prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
-                     kv_cache_gb=args.kv_cache_gb, max_running_requests=args.max_running_requests)
+        system = get_system(args.system)
+        reason = system.unavailable()
+        if reason:
+            print(f"{system.title}: skipped: {reason}")
+            return 0
+        context = system.start(args.model)
+    else:
+        system = None
+        context = _runtime(model=args.model, prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
+                           kv_cache_gb=args.kv_cache_gb, max_running_requests=args.max_running_requests)
     results = []
-    try:
-        with frontend_switches(not args.no_frontend_parallelism, not args.no_frontend_hint):
-            for w in workloads:
-                programs = args.programs or (w.quick_programs if args.quick else w.programs)
-                latency = (args.latency_programs if args.latency_programs >= 0
-                           else (1 if args.quick else w.latency_programs))
-                print(f"{w.title}: {programs} programs, {latency} alone ({w.source})", flush=True)
-                res = run_workload(w, rt, programs, latency)
-                results.append(res)
-                print("  " + json.dumps({k: v for k, v in res.items() if k not in ("title",)}), flush=True)
-    finally:
-        rt.shutdown()
+    with context as target, frontend_switches(not args.no_frontend_parallelism, not args.no_frontend_hint):
+        for w in workloads:
+            reason = system.unsupported(w) if system is not None else None
+            if reason:
+                print(f"{w.title}: skipped ({reason})")
+                continue
+            programs = args.programs or (w.quick_programs if args.quick else w.programs)
+            latency = (args.latency_programs if args.latency_programs >= 0
+                       else (1 if args.quick else w.latency_programs))
+            print(f"{w.title}: {programs} programs, {latency} alone ({w.source})", flush=True)
+            res = run_workload(w, target, programs, latency)
+            results.append(res)
+            print("  " + json.dumps({k: v for k, v in res.items() if k not in ("title",)}), flush=True)
 
-    print(f"\nmodel {args.model}, prefix cache {args.prefix_cache}, policy {args.schedule_policy}")
+    print(f"\nmodel {args.model}, system {args.system}" + (
+        f", prefix cache {args.prefix_cache}, policy {args.schedule_policy}" if args.system == "jsgl" else ""))
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **describe_machine(), "results": results},

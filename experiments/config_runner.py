@@ -14,9 +14,14 @@ A config names the workloads, the model, the engine options every run shares, an
     [[runs]]
     label = "no frontend hint"
     frontend = { prefix_hint = false }  # also: parallelism = false
+    [[runs]]
+    label = "vLLM"
+    system = "vllm"                     # a peer system (experiments/baselines/) instead of a jsgl engine
+    programs = 16                       # this run's batch per workload (a slow baseline's smaller batch)
 
 Runs with the same engine options share one engine (its compiled steps carry over); every workload
-starts from a flushed cache.
+starts from a flushed cache. A peer system that is not installed is skipped, with the reason and the
+install command in the results, never approximated.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from jsgl.experiments.baselines import Target, get_system
 from jsgl.experiments.bench_workloads import describe_machine, frontend_switches, print_table, run_workload
 from jsgl.experiments.workloads import get_workload, workload_names
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TOP_KEYS = {"title", "figure", "workloads", "quick_workloads", "model", "programs", "quick_programs",
             "latency_programs", "engine", "runs", "note"}
-RUN_KEYS = {"label", "engine", "frontend"}
+RUN_KEYS = {"label", "engine", "frontend", "system", "programs"}
 FRONTEND_KEYS = {"parallelism", "prefix_hint"}
 
 
@@ -73,10 +79,15 @@ def load_config(path: str | Path) -> dict[str, Any]:
         engine = {**cfg["engine"], **run.get("engine", {})}
         if set(engine) - fields:
             raise ConfigError(f"{path}: run {run['label']!r}: unknown engine options {sorted(set(engine) - fields)}")
+        if "system" in run:
+            if "engine" in run:
+                raise ConfigError(f"{path}: run {run['label']!r}: engine options are jsgl's; a {run['system']} run "
+                                  "takes none")
+            get_system(run["system"])  # KeyError names the choices
         if set(run.get("frontend", {})) - FRONTEND_KEYS:
             raise ConfigError(f"{path}: run {run['label']!r}: frontend switches are {sorted(FRONTEND_KEYS)}")
         EngineConfig(model=cfg["model"], **engine)  # its own checks (ranges, choices)
-        run["engine_options"] = engine
+        run["engine_options"] = {} if "system" in run else engine
     return cfg
 
 
@@ -93,6 +104,27 @@ def release_memory() -> None:
         pass
 
 
+def _run_workloads(label: str, target: Target, workloads: list[str], frontend: dict[str, bool], cfg: dict[str, Any],
+                   quick: bool, programs: int | None, system: Any = None) -> list[dict[str, Any]]:
+    results = []
+    for name in workloads:
+        w = get_workload(name)
+        reason = system.unsupported(w) if system is not None else None
+        if reason:
+            print(f"[{label}] {w.title}: skipped ({reason})", flush=True)
+            results.append({"workload": w.name, "title": w.title, "skipped": reason})
+            continue
+        batch = programs or cfg.get("quick_programs" if quick else "programs") or (
+            w.quick_programs if quick else w.programs)
+        latency = 1 if quick else cfg.get("latency_programs", w.latency_programs)
+        print(f"[{label}] {w.title}: {batch} programs, {latency} alone", flush=True)
+        with frontend_switches(frontend.get("parallelism", True), frontend.get("prefix_hint", True)):
+            res = run_workload(w, target, batch, latency)
+        print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
+        results.append(res)
+    return results
+
+
 def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = None, programs: int | None = None,
                max_workloads: int | None = None) -> dict[str, Any]:
     """Every run of the grid over the config's workloads (`quick`: its `quick_workloads` and each workload's
@@ -103,33 +135,42 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
     workloads = (cfg.get("quick_workloads") or cfg["workloads"]) if quick else cfg["workloads"]
     workloads = workloads[:max_workloads] if max_workloads else workloads
     runs, rt, rt_options = [], None, None
-    try:
-        for run in cfg["runs"]:
-            options = run["engine_options"]
-            if rt is None or options != rt_options:
-                if rt is not None:
-                    rt.shutdown()
-                    rt = None
-                    release_memory()
-                rt, rt_options = sgl.Runtime(model=model, **options), options
-            frontend = run.get("frontend", {})
-            results = []
-            for name in workloads:
-                w = get_workload(name)
-                batch = programs or cfg.get("quick_programs" if quick else "programs") or (
-                    w.quick_programs if quick else w.programs)
-                latency = 1 if quick else cfg.get("latency_programs", w.latency_programs)
-                print(f"[{run['label']}] {w.title}: {batch} programs, {latency} alone", flush=True)
-                with frontend_switches(frontend.get("parallelism", True), frontend.get("prefix_hint", True)):
-                    res = run_workload(w, rt, batch, latency)
-                print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
-                results.append(res)
-            runs.append({"label": run["label"], "engine": options, "frontend": frontend, "results": results})
-    finally:
+
+    def close_engine() -> None:
+        nonlocal rt
         if rt is not None:
             rt.shutdown()
             rt = None
             release_memory()
+
+    try:
+        for run in cfg["runs"]:
+            label, frontend = run["label"], run.get("frontend", {})
+            entry = {"label": label, "system": run.get("system", "jsgl"), "engine": run["engine_options"],
+                     "frontend": frontend}
+            if "system" in run:
+                close_engine()  # a peer system gets the whole machine
+                system = get_system(run["system"])
+                reason = system.unavailable()
+                entry["version"] = system.version() if not reason else None
+                if reason:
+                    print(f"[{label}] skipped: {reason}", flush=True)
+                    runs.append({**entry, "skipped": reason, "results": []})
+                    continue
+                with system.start(model) as target:
+                    results = _run_workloads(label, target, workloads, frontend, cfg, quick,
+                                             programs or (None if quick else run.get("programs")), system)
+                release_memory()
+                runs.append({**entry, "results": results})
+                continue
+            options = run["engine_options"]
+            if rt is None or options != rt_options:
+                close_engine()
+                rt, rt_options = sgl.Runtime(model=model, **options), options
+            results = _run_workloads(label, Target.of_runtime(rt), workloads, frontend, cfg, quick, programs)
+            runs.append({**entry, "results": results})
+    finally:
+        close_engine()
     return {"title": cfg["title"], "figure": cfg["figure"], "model": model, "quick": quick,
             "note": cfg.get("note", ""), **describe_machine(), "runs": runs}
 
@@ -151,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     out = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
                      max_workloads=args.max_workloads)
     for run in out["runs"]:
-        print(f"\n{run['label']} ({json.dumps(run['engine'])}, frontend {json.dumps(run['frontend'])})")
+        print(f"\n{run['label']} ({run['system']}, {json.dumps(run['engine'])}, "
+              f"frontend {json.dumps(run['frontend'])})")
+        if run.get("skipped"):
+            print(f"skipped: {run['skipped']}")
         print_table(run["results"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-    failed = [r for run in out["runs"] for r in run["results"] if r["errors"] or r["missing_outputs"]]
+    failed = [r for run in out["runs"] for r in run["results"] if r.get("errors") or r.get("missing_outputs")]
     return 1 if failed else 0
 
 

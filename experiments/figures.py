@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jsgl.experiments import plots
+from jsgl.experiments import micro_benchmarks, plots
+from jsgl.experiments.bench_workloads import describe_machine
 from jsgl.experiments.config_runner import load_config, run_config
 
 CONFIGS = {"fig5": "fig5_end_to_end.toml", "fig8ab": "fig8ab_hit_rate.toml", "fig8c": "fig8c_ablations.toml"}
+FIGURES = (*CONFIGS, "micro")  # micro: the §3/§4/§5 tables (micro_benchmarks.py)
 
 # What the paper reports, for results.md. Fig. 13's bars carry no printed values: these are read off the
 # published figure by eye (approximate); the other two are the paper's text.
@@ -44,12 +46,18 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _ran(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs that ran (a peer system that is not installed has no results)."""
+    return [run for run in runs if not run.get("skipped")]
+
+
 def _run_table(runs: list[dict[str, Any]], metric: str, digits: int = 3) -> list[str]:
+    runs = _ran(runs)
     workloads = [r["title"] for r in runs[0]["results"]]
     lines = ["| workload | " + " | ".join(run["label"] for run in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for w in workloads:
-        cells = [_fmt(next(r[metric] for r in run["results"] if r["title"] == w), digits) for run in runs]
+        cells = [_fmt(next((r.get(metric) for r in run["results"] if r["title"] == w), None), digits) for run in runs]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     return lines
 
@@ -58,7 +66,7 @@ def draw(results: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
     """Every figure the results allow: {figure name: PNG path}."""
     pngs: dict[str, Path] = {}
     if "fig5" in results:
-        runs = results["fig5"]["runs"]
+        runs = _ran(results["fig5"]["runs"])
         pngs["fig5"] = plots.grouped_bars(runs, "throughput", "Normalized throughput (higher is better)",
                                           "Fig. 5: throughput of the workloads", out / "fig5_throughput.png")
         pngs["fig6"] = plots.grouped_bars(runs, "latency_s", "Normalized latency (lower is better)",
@@ -71,15 +79,15 @@ def draw(results: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
                                               "Fig. 8(a)(b): performance against cache hit rate",
                                               out / "fig8ab_hit_rate.png")
     if "fig8c" in results:
-        pngs["fig8c"] = plots.grouped_bars(results["fig8c"]["runs"], "throughput",
+        pngs["fig8c"] = plots.grouped_bars(_ran(results["fig8c"]["runs"]), "throughput",
                                            "Normalized throughput (higher is better)", "Fig. 8(c): ablations",
                                            out / "fig8c_ablations.png")
     return pngs
 
 
 def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], command: str,
-                     wall_s: float) -> str:
-    any_result = next(iter(results.values()))
+                     wall_s: float, micro: dict[str, Any] | None = None, machine: dict[str, Any] | None = None) -> str:
+    any_result = next(iter(results.values()), None) or machine
     lines = ["# jsgl: the paper's evaluation, reproduced", "",
              f"- command: `{command}`", f"- commit: {any_result['commit']}",
              f"- machine: {any_result['machine']}, Python {any_result['python']}",
@@ -91,14 +99,17 @@ def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], 
              "contained must be computed). Workload sources and deviations: experiments/workloads/.", ""]
     if "fig5" in results:
         runs = results["fig5"]["runs"]
+        systems = [f"{run['label']}: {run['system']}" + (f" {run['version']}" if run.get("version") else "")
+                   for run in _ran(runs) if run.get("system", "jsgl") != "jsgl"]
         lines += ["## Fig. 5: throughput (programs/s)", "", f"![Fig. 5]({pngs['fig5'].name})", "",
-                  *_run_table(runs, "throughput"), "", f"Paper: {PAPER_CLAIMS['fig5']}", "",
+                  *_run_table(runs, "throughput"), "", f"Peer systems: {'; '.join(systems) or 'none installed'}.",
+                  "", f"Paper: {PAPER_CLAIMS['fig5']}", "",
                   "## Fig. 6: latency (s)", "", f"![Fig. 6]({pngs['fig6'].name})", "",
                   *_run_table(runs, "latency_s", 2), "",
                   "## Fig. 13: achieved vs optimal cache hit rate", "", f"![Fig. 13]({pngs['fig13'].name})", "",
                   "| workload | jsgl achieved | jsgl optimal | achieved / optimal | paper achieved (approx.) "
                   "| paper optimal (approx.) |", "|---|---|---|---|---|---|"]
-        for r in runs[0]["results"]:
+        for r in _ran(runs)[0]["results"]:
             paper = PAPER_FIG13.get(r["title"], (None, None))
             ratio = r["hit_rate"] / r["optimal_hit_rate"] if r["optimal_hit_rate"] else None
             lines.append(f"| {r['title']} | {100 * r['hit_rate']:.1f}% | {100 * r['optimal_hit_rate']:.1f}% | "
@@ -114,8 +125,14 @@ def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], 
         runs = results["fig8c"]["runs"]
         lines += ["## Fig. 8(c): ablations (throughput, programs/s)", "", f"![Fig. 8c]({pngs['fig8c'].name})", "",
                   *_run_table(runs, "throughput"), "", "Hit rate:", "", *_run_table(runs, "hit_rate"), ""]
+    lines += micro_benchmarks.markdown(micro or {})
+    skipped = [f"- {name} / {run['label']}: {run['skipped']}" for name, res in results.items() for run in res["runs"]
+               if run.get("skipped")]
+    skipped += [f"- {name} / {run['label']} / {r['title']}: {r['skipped']}" for name, res in results.items()
+                for run in res["runs"] for r in run["results"] if r.get("skipped")]
+    lines += ["## Skipped", "", *skipped, ""] if skipped else []
     failed = [(name, run["label"], r["workload"]) for name, res in results.items() for run in res["runs"]
-              for r in run["results"] if r["errors"] or r["missing_outputs"]]
+              for r in run["results"] if r.get("errors") or r.get("missing_outputs")]
     lines += ["## Failures", "", *(f"- {n} / {label} / {w}" for n, label, w in failed)] if failed else []
     return "\n".join(lines) + "\n"
 
@@ -126,26 +143,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("figures"), help="where the PNGs, JSON and results.md go")
     ap.add_argument("--quick", action="store_true", help="small batches and each config's quick workloads")
     ap.add_argument("--model", default=None, help="run every workload on this model instead of the configs'")
-    ap.add_argument("--only", default="", help=f"comma list of figures to run (default: {', '.join(CONFIGS)})")
+    ap.add_argument("--only", default="", help=f"comma list of figures to run (default: {', '.join(FIGURES)})")
     ap.add_argument("--programs", type=int, default=None, help="programs per workload (smoke tests)")
     ap.add_argument("--max-workloads", type=int, default=None, help="first K workloads of each config (smoke tests)")
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(CONFIGS)
-    unknown = set(names) - set(CONFIGS)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(FIGURES)
+    unknown = set(names) - set(FIGURES)
     if unknown:
-        ap.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+        ap.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
-    for name in names:
+    for name in (n for n in names if n in CONFIGS):
         cfg = load_config(CONFIGS[name])
         print(f"== {cfg['title']}", flush=True)
         results[name] = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
                                    max_workloads=args.max_workloads)
         (args.out / f"{name}.json").write_text(json.dumps(results[name], indent=2))
+    micro = None
+    if "micro" in names:
+        print("== §3/§4/§5 measurements", flush=True)
+        micro = micro_benchmarks.run_all(args.quick, args.model or "smollm2-135m", args.programs)
+        (args.out / "micro.json").write_text(json.dumps(micro, indent=2))
     pngs = draw(results, args.out)
     command = "jsgl figures " + shlex.join(sys.argv[2:] if argv is None else argv)
-    md = results_markdown(results, pngs, command, time.perf_counter() - started)
+    machine = {**describe_machine(), "model": args.model or "smollm2-135m", "quick": args.quick}
+    md = results_markdown(results, pngs, command, time.perf_counter() - started, micro, machine)
     (args.out / "results.md").write_text(md)
     print(f"\nwrote {', '.join(p.name for p in pngs.values())} and results.md to {args.out}")
     return 1 if "## Failures" in md else 0

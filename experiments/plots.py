@@ -37,11 +37,12 @@ def grouped_bars(runs: list[dict[str, Any]], metric: str, ylabel: str, title: st
         ax.bar(x + (i - (len(runs) - 1) / 2) * width, normalized[i], width, label=run["label"])
     ax.set_xticks(x, workloads, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 1.15 if higher_is_better else 1.15 * float(np.nanmax(normalized)))
+    ax.set_ylim(0, 1.05 if higher_is_better else 1.05 * float(np.nanmax(normalized)))
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncols=min(len(runs), 4), loc="upper center")
+    # Beside the axes, not over them: with 7 runs (Fig. 8c) a legend inside covered the bars.
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -218,7 +218,8 @@ def test_bench_workloads(results):
 
 
 def test_figures(results):
-    """`jsgl figures --quick` on a slice: every figure's PNG, and a table with a row per workload for each."""
+    """`jsgl figures --quick` on a slice: every figure's PNG, a table with a row per workload for each, the
+    §3/§4/§5 measurements, and the peer systems that are not installed listed as skipped (never faked)."""
     out, _ = finished(results, "figures")
     figs = results.cwd / "figs"
     pngs = {"fig5_throughput.png", "fig6_latency.png", "fig13_hit_rates.png", "fig8ab_hit_rate.png",
@@ -226,11 +227,20 @@ def test_figures(results):
     assert pngs <= {p.name for p in figs.iterdir()}, out
     assert all((figs / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     md = (figs / "results.md").read_text()
-    sections = md.split("\n## ")[1:]
-    assert [s.split(":")[0] for s in sections] == ["Fig. 5", "Fig. 6", "Fig. 13", "Fig. 8(a)(b)", "Fig. 8(c)"], md
-    for section in sections:
-        rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| workload")]
-        assert rows and all(re.search(r"\d", row) for row in rows), section
+    sections = {s.splitlines()[0].split(":")[0]: s for s in md.split("\n## ")[1:]}
+    assert list(sections)[:8] == ["Fig. 5", "Fig. 6", "Fig. 13", "Fig. 8(a)(b)", "Fig. 8(c)", "§4", "§3", "§5"], md
+    for name in ("Fig. 5", "Fig. 6", "Fig. 13", "Fig. 8(a)(b)", "Fig. 8(c)", "§4", "§5"):
+        rows = [line for line in sections[name].splitlines()
+                if line.startswith("| ") and not line.startswith(("| workload", "| mode", "| run"))]
+        assert rows and all(re.search(r"\d", row) for row in rows), sections[name]
+    # The transformers baseline is installed with the bench extra: it ran, beside jsgl, in Fig. 5's table.
+    assert "| jsgl | jsgl, no prefix cache | transformers (LMQL's backend) |" in sections["Fig. 5"], md
+    assert re.search(r"\*\*\d+\.\d+%\*\*", sections["§3"]), sections["§3"]
+    from jsgl.experiments.baselines import get_system
+
+    for system, label in (("vllm", "vLLM"), ("llamacpp", "llama.cpp")):
+        if get_system(system).unavailable():
+            assert f"fig5 / {label}" in sections["Skipped"] and "install it with" in sections["Skipped"], md
     assert "- commit: " in md and "- machine: " in md and "jsgl figures --quick" in md
 
 
