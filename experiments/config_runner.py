@@ -36,6 +36,7 @@ from typing import Any
 from jsgl.experiments.baselines import Target, get_system
 from jsgl.experiments.bench_workloads import describe_machine, frontend_switches, print_table, run_workload
 from jsgl.experiments.workloads import get_workload, workload_names
+from tqdm import tqdm
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TOP_KEYS = {"title", "figure", "workloads", "quick_workloads", "model", "programs", "quick_programs",
@@ -105,7 +106,7 @@ def release_memory() -> None:
 
 
 def _run_workloads(label: str, target: Target, workloads: list[str], frontend: dict[str, bool], cfg: dict[str, Any],
-                   quick: bool, programs: int | None, system: Any = None) -> list[dict[str, Any]]:
+                   quick: bool, programs: int | None, bar: Any, system: Any = None) -> list[dict[str, Any]]:
     results = []
     for name in workloads:
         w = get_workload(name)
@@ -113,6 +114,7 @@ def _run_workloads(label: str, target: Target, workloads: list[str], frontend: d
         if reason:
             print(f"[{label}] {w.title}: skipped ({reason})", flush=True)
             results.append({"workload": w.name, "title": w.title, "skipped": reason})
+            bar.update(1)
             continue
         batch = programs or cfg.get("quick_programs" if quick else "programs") or (
             w.quick_programs if quick else w.programs)
@@ -122,6 +124,7 @@ def _run_workloads(label: str, target: Target, workloads: list[str], frontend: d
             res = run_workload(w, target, batch, latency)
         print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
         results.append(res)
+        bar.update(1)
     return results
 
 
@@ -135,6 +138,8 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
     workloads = (cfg.get("quick_workloads") or cfg["workloads"]) if quick else cfg["workloads"]
     workloads = workloads[:max_workloads] if max_workloads else workloads
     runs, rt, rt_options = [], None, None
+    # On stderr, and only on a terminal (disable=None): logs keep the per-workload lines printed below.
+    bar = tqdm(total=len(cfg["runs"]) * len(workloads), desc=cfg["figure"], unit="workload", disable=None)
 
     def close_engine() -> None:
         nonlocal rt
@@ -156,20 +161,29 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
                 if reason:
                     print(f"[{label}] skipped: {reason}", flush=True)
                     runs.append({**entry, "skipped": reason, "results": []})
+                    bar.update(len(workloads))
                     continue
-                with system.start(model) as target:
-                    results = _run_workloads(label, target, workloads, frontend, cfg, quick,
-                                             programs or (None if quick else run.get("programs")), system)
-                release_memory()
+                try:
+                    with system.start(model) as target:
+                        results = _run_workloads(label, target, workloads, frontend, cfg, quick,
+                                                 programs or (None if quick else run.get("programs")), bar, system)
+                except RuntimeError as exc:  # it did not start: the grid's other runs still count
+                    print(f"[{label}] did not start: {exc}", flush=True)
+                    runs.append({**entry, "skipped": f"did not start: {str(exc)[:500]}", "results": []})
+                    continue
+                finally:
+                    release_memory()
                 runs.append({**entry, "results": results})
                 continue
             options = run["engine_options"]
             if rt is None or options != rt_options:
                 close_engine()
                 rt, rt_options = sgl.Runtime(model=model, **options), options
-            results = _run_workloads(label, Target.of_runtime(rt), workloads, frontend, cfg, quick, programs)
+            results = _run_workloads(label, Target.of_runtime(rt), workloads, frontend, cfg, quick,
+                                     programs or (None if quick else run.get("programs")), bar)
             runs.append({**entry, "results": results})
     finally:
+        bar.close()
         close_engine()
     return {"title": cfg["title"], "figure": cfg["figure"], "model": model, "quick": quick,
             "note": cfg.get("note", ""), **describe_machine(), "runs": runs}

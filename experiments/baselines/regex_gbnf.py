@@ -4,7 +4,8 @@ llama.cpp (and llama-cpp-python's server) constrains generation with GBNF gramma
 constrain with regexes (and JSON schemas, which jsgl compiles to regexes). GBNF has every regular
 construct (literals, classes, alternation, grouping, `{m,n}` repetition), so the translation is exact:
 Python's own regex parser gives the syntax tree, and each node maps to one GBNF expression. Constructs with
-no regular meaning (backreferences, lookaround) raise ValueError rather than loosening the constraint.
+no GBNF form (backreferences, lookaround, possessive repeats, inline flags) raise ValueError rather than
+loosening the constraint.
 """
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ from re import _parser
 _CATEGORIES = {
     C.CATEGORY_DIGIT: "0-9", C.CATEGORY_WORD: "a-zA-Z0-9_", C.CATEGORY_SPACE: " \\t\\n\\r\\x0b\\x0c",
 }
+MAX_GBNF_REPEAT = 2000  # llama.cpp's grammar parser treats larger repeat bounds as unbounded
 _NEGATED = {C.CATEGORY_NOT_DIGIT: C.CATEGORY_DIGIT, C.CATEGORY_NOT_WORD: C.CATEGORY_WORD,
             C.CATEGORY_NOT_SPACE: C.CATEGORY_SPACE}
 
 
 def _char(code: int, in_class: bool) -> str:
-    special = "\\]-^[" if in_class else '\\"'
+    """One character in GBNF. llama.cpp's escapes are only \\x \\u \\U \\t \\r \\n \\\\ \\" (and, in recent
+    builds, \\[ \\] \\-): class punctuation goes in as \\xNN, which every build reads."""
     ch = chr(code)
-    if ch in special:
-        return "\\" + ch
-    if code < 0x20 or code == 0x7F:
+    if ch == "\\":
+        return "\\\\"
+    if code < 0x20 or code == 0x7F or (in_class and ch in "]-^["):
         return {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}.get(code, f"\\x{code:02x}")
+    if ch == '"' and not in_class:
+        return '\\"'
     return ch
 
 
@@ -80,9 +85,14 @@ def _node(op, av) -> str:
     if op is C.BRANCH:
         return "(" + " | ".join(_sequence(alt) for alt in av[1]) + ")"
     if op is C.SUBPATTERN:
+        if av[1] or av[2]:  # (?i:...) and the like change the language: no GBNF form
+            raise ValueError(f"regex inline flags {av[1]}/{av[2]} have no GBNF form")
         return "(" + _sequence(av[3]) + ")"
-    if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT):  # a lazy repeat matches the same strings when the whole must match
         low, high, item = av
+        if high != C.MAXREPEAT and high > MAX_GBNF_REPEAT:
+            raise ValueError(f"regex repeat {{{low},{high}}} has no GBNF form (llama.cpp reads bounds over "
+                             f"{MAX_GBNF_REPEAT} as none)")
         body = _sequence(item)
         if not (len(item) == 1 and item[0][0] in (C.IN, C.ANY, C.CATEGORY, C.NOT_LITERAL, C.SUBPATTERN, C.BRANCH)
                 or (len(item) == 1 and item[0][0] is C.LITERAL)):
@@ -104,5 +114,8 @@ def gbnf_string(text: str) -> str:
 
 def regex_to_gbnf(regex: str) -> str:
     """A GBNF grammar (rule `root`) accepting exactly the strings `regex` fully matches."""
-    return f"root ::= {_sequence(_parser.parse(regex))}\n"
+    parsed = _parser.parse(regex)
+    if parsed.state.flags & ~(C.SRE_FLAG_UNICODE | C.SRE_FLAG_ASCII):  # (?i), (?s), ... change the language
+        raise ValueError(f"regex flags {parsed.state.flags:#x} have no GBNF form")
+    return f"root ::= {_sequence(parsed)}\n"
 

