@@ -118,9 +118,6 @@ def print_table(results: list[dict[str, Any]]) -> None:
           "| errors |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        if r.get("skipped"):
-            print(f"| {r['title']} | - | skipped: {r['skipped']} | | | | | | |")
-            continue
         print(f"| {r['title']} | {r['programs']} | {r['throughput']:.3f} | {cell(r['latency_s'], '.2f')} | "
               f"{cell(r['hit_rate'], '.3f')} | {cell(r['optimal_hit_rate'], '.3f')} | "
               f"{cell(r['mean_batch_size'], '.1f')} | {cell(r['compiles'], 'd')} | "
@@ -169,16 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         context = system.start(args.model)
     else:
-        system = None
         context = _runtime(model=args.model, prefix_cache=args.prefix_cache, schedule_policy=args.schedule_policy,
                            kv_cache_gb=args.kv_cache_gb, max_running_requests=args.max_running_requests)
     results = []
     with context as target, frontend_switches(not args.no_frontend_parallelism, not args.no_frontend_hint):
         for w in workloads:
-            reason = system.unsupported(w) if system is not None else None
-            if reason:
-                print(f"{w.title}: skipped ({reason})")
-                continue
             programs = args.programs or (w.quick_programs if args.quick else w.programs)
             latency = (args.latency_programs if args.latency_programs >= 0
                        else (1 if args.quick else w.latency_programs))

@@ -106,16 +106,10 @@ def release_memory() -> None:
 
 
 def _run_workloads(label: str, target: Target, workloads: list[str], frontend: dict[str, bool], cfg: dict[str, Any],
-                   quick: bool, programs: int | None, bar: Any, system: Any = None) -> list[dict[str, Any]]:
+                   quick: bool, programs: int | None, bar: Any) -> list[dict[str, Any]]:
     results = []
     for name in workloads:
         w = get_workload(name)
-        reason = system.unsupported(w) if system is not None else None
-        if reason:
-            print(f"[{label}] {w.title}: skipped ({reason})", flush=True)
-            results.append({"workload": w.name, "title": w.title, "skipped": reason})
-            bar.update(1)
-            continue
         batch = programs or cfg.get("quick_programs" if quick else "programs") or (
             w.quick_programs if quick else w.programs)
         latency = 1 if quick else cfg.get("latency_programs", w.latency_programs)
@@ -166,7 +160,7 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
                 try:
                     with system.start(model) as target:
                         results = _run_workloads(label, target, workloads, frontend, cfg, quick,
-                                                 programs or (None if quick else run.get("programs")), bar, system)
+                                                 programs or (None if quick else run.get("programs")), bar)
                 except RuntimeError as exc:  # it did not start: the grid's other runs still count
                     print(f"[{label}] did not start: {exc}", flush=True)
                     runs.append({**entry, "skipped": f"did not start: {str(exc)[:500]}", "results": []})

@@ -145,8 +145,6 @@ def results_markdown(results: dict[str, dict[str, Any]], pngs: dict[str, Path], 
     lines += micro_benchmarks.markdown(micro or {})
     skipped = [f"- {name} / {run['label']}: {run['skipped']}" for name, res in results.items() for run in res["runs"]
                if run.get("skipped")]
-    skipped += [f"- {name} / {run['label']} / {r['title']}: {r['skipped']}" for name, res in results.items()
-                for run in res["runs"] for r in run["results"] if r.get("skipped")]
     lines += ["## Skipped", "", *skipped, ""] if skipped else []
     failed = [(name, run["label"], r["workload"]) for name, res in results.items() for run in res["runs"]
               for r in run["results"] if r.get("errors") or r.get("missing_outputs")]

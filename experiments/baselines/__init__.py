@@ -9,8 +9,8 @@ workload programs run on unchanged:
   folder (float32, the precision jsgl runs the GGUF in); driven by jsgl's `OpenAI` backend.
 - `llamacpp`: llama-cpp-python's OpenAI server on the GGUF itself (Q4_1, llama.cpp's native format);
   constraints go in as GBNF grammars (regex_gbnf.py).
-- `transformers`: `generate` in this process, one call at a time, no KV reuse across calls (the LMQL
-  setup); constraints through a logits processor over jsgl's token index (hf_backend.py).
+- `transformers`: the model's forward in this process, one call at a time, no KV reuse across calls (the
+  LMQL setup); constraints masked token by token with jsgl's token index (hf_backend.py).
 
 Each server runs from its own Python environment (the systems pin conflicting versions of transformers and
 torch): set JSGL_VLLM_PYTHON / JSGL_LLAMACPP_PYTHON to that environment's interpreter, or install the
@@ -57,10 +57,6 @@ class System(ABC):
     def version(self) -> str:
         """The system's version, for the results."""
         return "unknown"
-
-    def unsupported(self, workload: Any) -> str | None:
-        """Why this system cannot run `workload` (a feature it lacks), or None."""
-        return None
 
 
 _SYSTEMS: dict[str, Callable[[], System]] = {}
