@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +108,8 @@ def release_memory() -> None:
 
 
 def _run_workloads(label: str, target: Target, workloads: list[str], frontend: dict[str, bool], cfg: dict[str, Any],
-                   quick: bool, programs: int | None, bar: Any) -> list[dict[str, Any]]:
-    results = []
+                   quick: bool, programs: int | None, bar: Any,
+                   record: Callable[[dict[str, Any]], None]) -> None:
     for name in workloads:
         w = get_workload(name)
         batch = programs or cfg.get("quick_programs" if quick else "programs") or (
@@ -117,23 +119,45 @@ def _run_workloads(label: str, target: Target, workloads: list[str], frontend: d
         with frontend_switches(frontend.get("parallelism", True), frontend.get("prefix_hint", True)):
             res = run_workload(w, target, batch, latency)
         print("  " + json.dumps({k: v for k, v in res.items() if k != "title"}), flush=True)
-        results.append(res)
+        # Each result says which code measured it: a resumed grid may span commits.
+        record({**res, "commit": describe_machine()["commit"], "date": datetime.date.today().isoformat()})
         bar.update(1)
-    return results
+
+
+def _reusable(prior: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A saved run's finished results, by workload, when it ran the same system with the same options (a run
+    that failed or was skipped is run again: the system may be installed by now)."""
+    if not prior or prior.get("skipped") or any(prior.get(k) != entry[k] for k in ("system", "engine", "frontend")):
+        return {}
+    return {r["workload"]: r for r in prior["results"] if not (r.get("errors") or r.get("missing_outputs"))}
 
 
 def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = None, programs: int | None = None,
-               max_workloads: int | None = None) -> dict[str, Any]:
+               max_workloads: int | None = None, resume: dict[str, Any] | None = None,
+               checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every run of the grid over the config's workloads (`quick`: its `quick_workloads` and each workload's
-    small batch; `programs`, `max_workloads`: smaller still, for smoke tests)."""
+    small batch; `programs`, `max_workloads`: smaller still, for smoke tests).
+
+    `resume`: an earlier (possibly interrupted) result of this config; its finished workloads are kept and
+    only the rest run. `checkpoint` is called with the results so far after every workload, so a run of
+    hours can be stopped and resumed."""
     import jsgl.lang as sgl
 
     model = model or cfg["model"]
     workloads = (cfg.get("quick_workloads") or cfg["workloads"]) if quick else cfg["workloads"]
     workloads = workloads[:max_workloads] if max_workloads else workloads
-    runs, rt, rt_options = [], None, None
+    if resume and (resume.get("model") != model or bool(resume.get("quick")) != quick):
+        raise ConfigError(f"cannot resume {cfg['figure']}: the saved results are for model {resume.get('model')}, "
+                          f"quick={resume.get('quick')}")
+    prior_runs = {run["label"]: run for run in (resume or {}).get("runs", [])}
+    runs: list[dict[str, Any]] = []
+    rt, rt_options = None, None
     # On stderr, and only on a terminal (disable=None): logs keep the per-workload lines printed below.
     bar = tqdm(total=len(cfg["runs"]) * len(workloads), desc=cfg["figure"], unit="workload", disable=None)
+
+    def output(partial: bool) -> dict[str, Any]:
+        return {"title": cfg["title"], "figure": cfg["figure"], "model": model, "quick": quick,
+                "note": cfg.get("note", ""), **describe_machine(), "partial": partial, "runs": runs}
 
     def close_engine() -> None:
         nonlocal rt
@@ -146,7 +170,26 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
         for run in cfg["runs"]:
             label, frontend = run["label"], run.get("frontend", {})
             entry = {"label": label, "system": run.get("system", "jsgl"), "engine": run["engine_options"],
-                     "frontend": frontend}
+                     "frontend": frontend, "results": []}
+            done = _reusable(prior_runs.get(label), entry)
+            if done:
+                entry["version"] = prior_runs[label].get("version")
+            todo = [w for w in workloads if w not in done]
+            bar.update(len(workloads) - len(todo))
+            runs.append(entry)
+
+            def record(result: dict[str, Any], entry: dict[str, Any] = entry) -> None:
+                entry["results"].append(result)
+                entry["results"].sort(key=lambda r: workloads.index(r["workload"]))
+                if checkpoint:
+                    checkpoint(output(partial=True))
+
+            for name in workloads:
+                if name in done:
+                    record(done[name])
+            if not todo:
+                continue
+            run_programs = programs or (None if quick else run.get("programs"))
             if "system" in run:
                 close_engine()  # a peer system gets the whole machine
                 system = get_system(run["system"])
@@ -154,33 +197,29 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
                 entry["version"] = system.version() if not reason else None
                 if reason:
                     print(f"[{label}] skipped: {reason}", flush=True)
-                    runs.append({**entry, "skipped": reason, "results": []})
-                    bar.update(len(workloads))
+                    entry["skipped"] = reason
+                    bar.update(len(todo))
                     continue
                 try:
                     with system.start(model) as target:
-                        results = _run_workloads(label, target, workloads, frontend, cfg, quick,
-                                                 programs or (None if quick else run.get("programs")), bar)
-                except RuntimeError as exc:  # it did not start: the grid's other runs still count
-                    print(f"[{label}] did not start: {exc}", flush=True)
-                    runs.append({**entry, "skipped": f"did not start: {str(exc)[:500]}", "results": []})
+                        _run_workloads(label, target, todo, frontend, cfg, quick, run_programs, bar, record)
+                except RuntimeError as exc:  # it did not start or died: the grid's other runs still count
+                    how = "stopped" if len(entry["results"]) > len(done) else "did not start"
+                    print(f"[{label}] {how}: {exc}", flush=True)
+                    entry["skipped"] = f"{how}: {str(exc)[:500]}"
                     continue
                 finally:
                     release_memory()
-                runs.append({**entry, "results": results})
                 continue
             options = run["engine_options"]
             if rt is None or options != rt_options:
                 close_engine()
                 rt, rt_options = sgl.Runtime(model=model, **options), options
-            results = _run_workloads(label, Target.of_runtime(rt), workloads, frontend, cfg, quick,
-                                     programs or (None if quick else run.get("programs")), bar)
-            runs.append({**entry, "results": results})
+            _run_workloads(label, Target.of_runtime(rt), todo, frontend, cfg, quick, run_programs, bar, record)
     finally:
         bar.close()
         close_engine()
-    return {"title": cfg["title"], "figure": cfg["figure"], "model": model, "quick": quick,
-            "note": cfg.get("note", ""), **describe_machine(), "runs": runs}
+    return output(partial=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@
     jsgl figures --out docs/figures/           # the full run (see docs/figures/results.md for its time)
     jsgl figures --only fig8c --out docs/figures/   # one figure again; results.md keeps the others' results
     jsgl figures --replot --out docs/figures/  # redraw from the saved JSON, running nothing
+    jsgl figures --only fig5 --resume --out docs/figures/   # go on where a stopped run left off
 
 The figures come from the ablation configs in experiments/configs/ (each also runs alone with
 `jsgl bench --config FILE`): Figs. 5/6/13 from fig5_end_to_end.toml, Fig. 8(a)(b) from
@@ -95,8 +96,15 @@ def draw(results: dict[str, dict[str, Any]], out: Path) -> dict[str, Path]:
 def _provenance(name: str, result: dict[str, Any]) -> str:
     p = result.get("provenance", {})
     wall = f"{p['wall_s'] / 60:.1f} min" if "wall_s" in p else "not recorded"
+    if p.get("parts", 1) > 1:
+        wall += f" in {p['parts']} parts"
+    if result.get("partial"):
+        wall += " (stopped: partial results)"
     command = f"`{p['command']}`" if "command" in p else "not recorded"
-    return (f"| {name} | {command} | {result.get('commit', p.get('commit', '-'))} | {p.get('date', '-')} | {wall} | "
+    # A resumed figure's results may come from several commits: each result records its own.
+    commits = sorted({r["commit"] for run in result.get("runs", []) for r in run["results"] if "commit" in r})
+    commit = ", ".join(commits) or result.get("commit", p.get("commit", "-"))
+    return (f"| {name} | {command} | {commit} | {p.get('date', '-')} | {wall} | "
             f"{'yes' if result.get('quick', p.get('quick')) else 'no'} |")
 
 
@@ -162,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs", type=int, default=None, help="programs per workload (smoke tests)")
     ap.add_argument("--max-workloads", type=int, default=None, help="first K workloads of each config (smoke tests)")
     ap.add_argument("--replot", action="store_true", help="run nothing: redraw from the JSON results in --out")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the workloads an earlier run in --out finished (results are saved after each one) "
+                         "and run only the rest")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(FIGURES)
     unknown = set(names) - set(FIGURES)
@@ -171,12 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     command = "jsgl figures " + shlex.join(sys.argv[2:] if argv is None else argv)
     model = args.model or "smollm2-135m"
 
-    def provenance(started: float) -> dict[str, Any]:
+    def provenance(started: float, earlier: dict[str, Any]) -> dict[str, Any]:
+        # A resumed figure's wall time adds up its parts.
+        wall = time.perf_counter() - started + earlier.get("wall_s", 0.0)
         return {"command": command, **describe_machine(), "model": model, "quick": args.quick,
-                "date": datetime.date.today().isoformat(), "wall_s": round(time.perf_counter() - started, 1)}
+                "date": datetime.date.today().isoformat(), "wall_s": round(wall, 1),
+                "parts": earlier.get("parts", 0) + 1}
 
     for name in ([] if args.replot else names):
-        started = time.perf_counter()
+        started, path = time.perf_counter(), args.out / f"{name}.json"
+        saved = json.loads(path.read_text()) if args.resume and name != "micro" and path.exists() else None
+        earlier = saved.get("provenance", {}) if saved else {}
+
+        def checkpoint(partial: dict[str, Any], path: Path = path, started: float = started,
+                       earlier: dict[str, Any] = earlier) -> None:
+            path.write_text(json.dumps({**partial, "provenance": provenance(started, earlier)}, indent=2))
+
         if name == "micro":
             print("== §3/§4/§5 measurements", flush=True)
             result = micro_benchmarks.run_all(args.quick, model, args.programs)
@@ -184,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(CONFIGS[name])
             print(f"== {cfg['title']}", flush=True)
             result = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
-                                max_workloads=args.max_workloads)
-        result["provenance"] = provenance(started)
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+                                max_workloads=args.max_workloads, resume=saved, checkpoint=checkpoint)
+        checkpoint(result)
     # Every figure saved in --out, this run's and earlier ones' (results.md says which ran when).
     saved = {name: json.loads((args.out / f"{name}.json").read_text()) for name in FIGURES
              if (args.out / f"{name}.json").exists()}

@@ -162,6 +162,32 @@ def test_config_runs_skip_a_missing_system_and_refuse_bad_ones(tmp_path, monkeyp
         load_config(path)
 
 
+def test_an_interrupted_grid_resumes_where_it_stopped(tmp_path, capsys):
+    """Results are checkpointed after every workload; a resumed run keeps the finished ones and runs the rest."""
+    path = tmp_path / "grid.toml"
+    path.write_text('workloads = ["mmlu", "json"]\n[[runs]]\nlabel = "jsgl"\n')
+    cfg, saved = load_config(path), []
+
+    def stop_after_first(partial):
+        saved.append(json.loads(json.dumps(partial)))
+        raise KeyboardInterrupt  # the user stops a long run
+
+    with pytest.raises(KeyboardInterrupt):
+        run_config(cfg, quick=True, programs=1, checkpoint=stop_after_first)
+    [partial] = saved
+    assert partial["partial"] and [r["workload"] for r in partial["runs"][0]["results"]] == ["mmlu"]
+    capsys.readouterr()
+    out = run_config(load_config(path), quick=True, programs=1, resume=partial)
+    printed = capsys.readouterr().out
+    assert "MMLU" not in printed and "JSON decoding" in printed, printed
+    [run] = out["runs"]
+    assert not out["partial"] and [r["workload"] for r in run["results"]] == ["mmlu", "json"]
+    assert run["results"][0] == partial["runs"][0]["results"][0]  # kept as measured, with its commit and date
+    assert all(r["commit"] and r["date"] and not r["errors"] for r in run["results"])
+    with pytest.raises(ConfigError, match="cannot resume"):
+        run_config(load_config(path), quick=False, programs=1, resume=partial)
+
+
 # ------------------------------------------------------------------ transformers runs the programs
 
 @pytest.fixture(scope="module")
