@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         from jsgl.experiments.baselines import get_system
 
         system = get_system(args.system)
-        reason = system.unavailable()
+        reason = system.unavailable() or system.refuses(args.model)
         if reason:
             print(f"{system.title}: skipped: {reason}")
             return 0

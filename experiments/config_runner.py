@@ -193,7 +193,7 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
             if "system" in run:
                 close_engine()  # a peer system gets the whole machine
                 system = get_system(run["system"])
-                reason = system.unavailable()
+                reason = system.unavailable() or system.refuses(model)
                 entry["version"] = system.version() if not reason else None
                 if reason:
                     print(f"[{label}] skipped: {reason}", flush=True)

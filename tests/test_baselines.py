@@ -147,6 +147,13 @@ def test_a_missing_system_says_how_to_install_it(monkeypatch):
     assert get_system("transformers").unavailable() is None
 
 
+def test_a_system_refuses_a_model_it_cannot_read(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # an HF folder (`--model DIR`)
+    assert "llama.cpp runs GGUF files" in get_system("llamacpp").refuses(str(tmp_path))
+    assert get_system("llamacpp").refuses("smollm2-135m") is None
+    assert all(get_system(name).refuses(str(tmp_path)) is None for name in ("vllm", "transformers"))
+
+
 def test_config_runs_skip_a_missing_system_and_refuse_bad_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("JSGL_LLAMACPP_PYTHON", "/nonexistent/python")
     path = tmp_path / "grid.toml"

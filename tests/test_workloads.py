@@ -103,15 +103,10 @@ def _check(name: str, state) -> None:
         assert "[3] «" in state.text() and isinstance(state["answer"], str)
 
 
-@pytest.fixture(scope="module")
-def finished_states(engine):
-    """One program of every workload, all at once on the shared engine (their steps batch together: ~the
-    longest program's time, not the sum)."""
+def _run_every_workload(rt) -> dict:
+    """One program of every workload, all at once (their steps batch together: ~the longest program's time,
+    not the sum)."""
     import concurrent.futures
-
-    import jsgl.lang as sgl
-
-    rt = sgl.Runtime(engine=engine)
 
     def run(name):
         w = get_workload(name)
@@ -124,6 +119,13 @@ def finished_states(engine):
         return {name: f.result() for name, f in futures.items()}
 
 
+@pytest.fixture(scope="module")
+def finished_states(engine):
+    import jsgl.lang as sgl
+
+    return _run_every_workload(sgl.Runtime(engine=engine))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PAPER_WORKLOADS))
 def test_program_runs_with_its_output_shape(finished_states, name):
@@ -132,3 +134,39 @@ def test_program_runs_with_its_output_shape(finished_states, name):
     for var in get_workload(name).outputs:
         state[var]
     _check(name, state)
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> str:
+    """Another family than the default model's: a tiny random Qwen2 (q/k/v biases, tied head) saved as an HF
+    folder with SmolLM2's tokenizer and chat template, its context long enough for the 20-shot prompts."""
+    import torch
+    import transformers as tf
+
+    from jsgl.model.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    config = tf.Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    folder = tmp_path_factory.mktemp("qwen2")
+    tf.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    load_tokenizer("smollm2-135m").save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_every_workload_runs_on_another_model(other_model):
+    """`--model` reaches every workload: each program runs on an HF folder of another family and keeps the
+    output shape its constraints, selects and forks promise (the words are a random model's)."""
+    import jsgl.lang as sgl
+
+    rt = sgl.Runtime(model=other_model, kv_cache_gb=0.25, max_running_requests=32)
+    try:
+        states = _run_every_workload(rt)
+        assert rt.engine.model_config.architecture == "Qwen2ForCausalLM"
+    finally:
+        rt.shutdown()
+    for name, state in states.items():
+        assert state.error() is None, (name, state.error())
+        _check(name, state)

@@ -54,6 +54,10 @@ class System(ABC):
     def start(self, model: str) -> contextlib.AbstractContextManager[Target]:
         """Bring the system up on `model` (a jsgl model name or path); stopped when the context exits."""
 
+    def refuses(self, model: str) -> str | None:
+        """Why this system cannot run `model` (e.g. a format it does not read), or None when it can."""
+        return None
+
     def version(self) -> str:
         """The system's version, for the results."""
         return "unknown"

@@ -274,12 +274,19 @@ class LlamaCpp(OpenAIServerSystem):
     install = ("`pip install 'llama-cpp-python[server]'` (a ~6-minute source build) in a venv and "
                "JSGL_LLAMACPP_PYTHON=<venv>/bin/python")
 
+    def refuses(self, model: str) -> str | None:
+        from jsgl.model.registry import resolve_model_path
+
+        path = resolve_model_path(model)
+        if path.suffix != ".gguf":
+            return (f"llama.cpp runs GGUF files and {model} is an HF folder (convert it with llama.cpp's "
+                    "convert_hf_to_gguf.py and pass the .gguf)")
+        return None
+
     def command(self, python: str, model: str, port: int) -> list[str]:
         from jsgl.model.registry import resolve_model_path
 
         gguf = resolve_model_path(model)
-        if gguf.suffix != ".gguf":
-            raise ValueError(f"llama.cpp runs GGUF files; {model} is {gguf}")
         # logits_all off: nothing asks for prompt logprobs (select is a grammar); it would slow every prefill.
         # interrupt_requests off: by default a new request cancels the one running (programs run concurrently).
         return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", SERVED_NAME,
