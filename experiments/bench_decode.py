@@ -69,7 +69,13 @@ class ReadBandwidth:
 
 KERNELS = {"gguf": {"matmul_backend": "gguf", "attention_backend": "cpu"},  # the default on CPU
            "packed": {"matmul_backend": "packed", "attention_backend": "cpu"},
-           "xla": {"matmul_backend": "xla", "attention_backend": "native"}}
+           "xla": {"matmul_backend": "xla", "attention_backend": "native"},
+           # Other dtypes (not run by default): the KV pool in the 8-bit format (the CPU attention kernel reads
+           # float32 pools, so these attend through the native path), and the bfloat16 model (XLA's dot).
+           "gguf-kv8": {"matmul_backend": "gguf", "kv_dtype": "int8"},
+           "bf16": {"dtype": "bfloat16"},
+           "bf16-kv8": {"dtype": "bfloat16", "kv_dtype": "int8"}}
+DEFAULT_KERNELS = ["gguf", "packed", "xla"]
 
 
 def step_weight_bytes(params) -> int:
@@ -183,21 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds (every system once per round)")
-    ap.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=list(KERNELS))
+    ap.add_argument("--kernels", nargs="+", choices=sorted(KERNELS), default=DEFAULT_KERNELS,
+                    help="engine variants; also gguf-kv8, bf16, bf16-kv8 (other weight and KV dtypes)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
     from jsgl.kernels import cpu as cpu_kernels
 
-    kernels = [k for k in args.kernels if k == "xla" or cpu_kernels.available()]
+    kernels = [k for k in args.kernels if KERNELS[k].get("matmul_backend", "xla") == "xla" or cpu_kernels.available()]
     if kernels != args.kernels:
         print(f"CPU kernels unavailable ({cpu_kernels.unavailable_reason()}): measuring {kernels} only")
     bandwidth = ReadBandwidth()
     runs: dict[str, JsglRun | TransformersRun] = {name: JsglRun(name, args.batch_sizes) for name in kernels}
     if not args.skip_transformers:
         runs["hf"] = TransformersRun()
-    cfg = runs[kernels[0]].engine.model_config
     for name in kernels:
         print(f"jsgl[{name}]: {runs[name].weight_bytes / 1e6:.0f} MB of weights read per step")
 
@@ -225,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": batch, "bandwidth_gbs": [x["bandwidth_gbs"] for name in kernels for x in samples[name]]}
         for name in kernels:
             rates = [x["tokens_per_s"] for x in samples[name]]
-            step_bytes = runs[name].weight_bytes + batch * mean_ctx * cfg.kv_bytes_per_token
+            kv_bytes = runs[name].engine.memory_plan.kv_bytes_per_token  # the engine's KV format
+            step_bytes = runs[name].weight_bytes + batch * mean_ctx * kv_bytes
             floors = [1e3 * step_bytes / (x["bandwidth_gbs"] * 1e9) for x in samples[name]]
             steps = [x["decode_ms_per_step"] for x in samples[name]]
             row[name] = {"tokens_per_s": statistics.median(rates), "floor_ms": statistics.median(floors),

@@ -10,11 +10,14 @@ For every (kv heads, dtype) it builds a pool with shuffled (non-contiguous) slot
 * extend: ``--extend-batch`` requests with ``--extend-new`` new tokens after a cached prefix, total
   ``--context`` tokens each;
 
+in each ``--dtypes``: float32, bfloat16, and int8 (the 8-bit KV format under bfloat16 queries);
+
 through ``pallas_paged_attention`` and ``native_paged_attention`` (both jitted), prints the max abs error
 of each against a float32 reference on the same (upcast) inputs, the median time over ``--iters`` runs
 after ``--warmup`` runs (``block_until_ready``), and for decode the K/V bytes read divided by the time as
 a fraction of ``--peak-bw`` (default 4.8e12 B/s, H200 HBM3e). For extend it also prints TFLOP/s. The exit
-status is 1 when any error is over tolerance.
+status is 1 when any error is over tolerance. Then whole engine steps of a Llama-3-8B-shaped model (decode at
+``--decode-batches``, a prefill, compile seconds; ``bench_device_steps.py``) against the HBM and FLOP peaks.
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jsgl.kernels import kv_quant
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
 from jsgl.kernels.pallas_attention import default_num_splits, pallas_paged_attention
 
-TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}
+# int8: the 8-bit KV format (int8 rows + a float32 scale per token and head) under bfloat16 queries, checked
+# against float32 attention over the dequantized pool (what the format stores).
+TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2, "int8": 3e-2}
 
 
 def parse_args(argv=None):
@@ -41,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32", "int8"], choices=list(TOLERANCE),
+                   help="int8: the 8-bit KV pools (jsgl.kernels.kv_quant) with bfloat16 queries")
     p.add_argument("--splitk-batch", type=int, default=4, help="small decode batch (exercises split-K); 0: skip")
     p.add_argument("--extend-batch", type=int, default=8)
     p.add_argument("--extend-new", type=int, default=512, help="new tokens per extend request")
@@ -56,11 +63,18 @@ def parse_args(argv=None):
     p.add_argument("--skip-native-timing", action="store_true", help="don't time the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Pallas interpret mode (any backend)")
+    steps = p.add_argument_group("whole engine steps on a Llama-3-8B-shaped model (bench_device_steps.py)")
+    steps.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    steps.add_argument("--prefill-tokens", type=int, default=512)
+    steps.add_argument("--step-kv-dtypes", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"])
+    steps.add_argument("--peak-flops", type=float, default=989e12, help="dense bfloat16 peak, FLOP/s (H200)")
+    steps.add_argument("--skip-steps", action="store_true")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim = 3, 40, 4, [2], 16
         args.splitk_batch, args.extend_batch, args.extend_new, args.iters, args.warmup = 1, 2, 9, 2, 1
         args.decode_block_k, args.extend_block_q, args.extend_block_k, args.num_splits = 8, 4, 8, 2
+        args.decode_batches, args.prefill_tokens = [1, 2], 16
     return args
 
 
@@ -99,7 +113,8 @@ def median_time(fn, args, iters, warmup):
 
 
 def check(kind, batch, args, kv_heads, dtype_name, interpret):
-    dtype = jnp.dtype(dtype_name)
+    quantized = dtype_name == "int8"
+    dtype = jnp.dtype("bfloat16" if quantized else dtype_name)  # the queries' (and a plain pool's) dtype
     decode = kind == "decode"
     new = 1 if decode else args.extend_new
     key = jax.random.key(args.seed)
@@ -111,8 +126,11 @@ def check(kind, batch, args, kv_heads, dtype_name, interpret):
         q_heads=args.q_heads,
         kv_heads=kv_heads,
         head_dim=args.head_dim,
-        dtype=dtype,
+        dtype=jnp.float32 if quantized else dtype,
     )
+    if quantized:
+        q = q.astype(dtype)
+        k_pool, v_pool = (kv_quant.Int8Pool(*kv_quant.quantize(x)) for x in (k_pool, v_pool))
     scale = args.head_dim**-0.5
     kernel = jax.jit(
         functools.partial(
@@ -128,10 +146,11 @@ def check(kind, batch, args, kv_heads, dtype_name, interpret):
     native = jax.jit(native_paged_attention, static_argnums=4)
 
     out = jax.block_until_ready(kernel(q, k_pool, v_pool, meta))
-    exact = native(*(x.astype(jnp.float32) for x in (q, k_pool, v_pool)), meta, scale)
+    as_f32 = lambda x: kv_quant.dequantize(x.values, x.scales) if quantized else x.astype(jnp.float32)  # noqa: E731
+    exact = native(q.astype(jnp.float32), as_f32(k_pool), as_f32(v_pool), meta, scale)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - exact)))
     ref_err = "n/a"  # float32: the reference *is* the exact computation
-    if dtype != jnp.float32:
+    if dtype_name != "float32":
         native_out = native(q, k_pool, v_pool, meta, scale).astype(jnp.float32)
         ref_err = f"{float(jnp.max(jnp.abs(native_out - exact))):.2e}"
         del native_out
@@ -143,7 +162,9 @@ def check(kind, batch, args, kv_heads, dtype_name, interpret):
     if not args.skip_native_timing:
         t_native = median_time(lambda *a: native(*a, scale), (q, k_pool, v_pool, meta), args.iters, args.warmup)
 
-    kv_bytes = 2 * batch * args.context * kv_heads * args.head_dim * dtype.itemsize  # K and V, once each
+    # K and V, once each (the 8-bit format: its int8 rows and their scales)
+    kv_bytes = 2 * batch * args.context * kv_heads * kv_quant.bytes_per_head_token(
+        jnp.int8 if quantized else dtype, args.head_dim)
     if decode:
         splits = args.num_splits or default_num_splits(batch, kv_heads, args.context, args.decode_block_k)
         extra = f"splits={splits}  K/V {kv_bytes / 1e9:.2f} GB -> {kv_bytes / t_kernel / 1e9:.0f} GB/s = "
@@ -190,6 +211,17 @@ def main(argv=None) -> int:
                 runs.append(("extend", args.extend_batch))
             for kind, batch in runs:
                 ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
+    if not args.skip_steps:
+        from jsgl.experiments.bench_device_steps import run_steps
+
+        for kv_dtype in args.step_kv_dtypes:
+            print(f"\nengine steps, {'tiny' if args.cpu_smoke else 'Llama-3-8B-shaped'} model, bfloat16 weights, "
+                  f"KV {kv_dtype}: peak {args.peak_bw / 1e12:.2f} TB/s, {args.peak_flops / 1e12:.0f} TFLOP/s",
+                  flush=True)
+            for result in run_steps(smoke=args.cpu_smoke, context=args.context, prefill_tokens=args.prefill_tokens,
+                                    decode_batches=args.decode_batches, kv_dtype=kv_dtype, iters=args.iters,
+                                    attention="pallas"):
+                print(result.row(args.peak_bw, args.peak_flops), flush=True)
     print("all ok" if ok else "SOME CHECKS FAILED", flush=True)
     return 0 if ok else 1
 

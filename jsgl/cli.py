@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": ["off", "common", "all"],
         "dtype": ["auto", "bfloat16", "float16", "float32"],
-        "kv_dtype": ["auto", "bfloat16", "float16", "float32"],
+        "kv_dtype": ["auto", "bfloat16", "float16", "float32", "int8"],  # memory.KV_DTYPES
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
                                num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
                                max_batch=cfg.max_running_requests, device_bytes=device,
-                               weight_itemsize=dtype.itemsize, kv_itemsize=kv_dtype.itemsize)
+                               weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
         except ValueError as exc:
             print(f"jsgl serve: {exc}", file=sys.stderr)
             return 2

@@ -21,19 +21,13 @@ import pytest
 
 from jsgl.engine.model_runner import _step
 from jsgl.engine.step_inputs import StepLayout
-from jsgl.model.config import ModelConfig
+from jsgl.model.config import LLAMA3_8B, ModelConfig
 from jsgl.model.llama import param_shapes
 
-LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-             "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
-             "bos_token_id": 128000, "eos_token_id": 128001,
-             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 NUM_SLOTS = 4096
 
 
-def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32) -> str:
+def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32, kv_dtype=None) -> str:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jsgl.model.sharding import TensorParallel
@@ -42,8 +36,13 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float
     parallel = TensorParallel.create(cfg, tp) if tp > 1 else None
     forward = parallel.config if parallel else cfg  # heads and MLP padded to whole groups per shard
     params = param_shapes(forward, dtype)
-    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), dtype,
-                                sharding=parallel.kv_sharding if parallel else None)
+    sharding = lambda *spec: NamedSharding(parallel.mesh, PartitionSpec(*spec)) if parallel else None  # noqa: E731
+    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), kv_dtype or dtype,
+                                sharding=sharding("tp", None, None))
+    if kv_dtype == jnp.int8:  # the 8-bit format: int8 rows and a float32 scale per token and head
+        from jsgl.kernels.kv_quant import Int8Pool
+
+        pool = Int8Pool(pool, jax.ShapeDtypeStruct(pool.shape[:2], jnp.float32, sharding=sharding("tp", None)))
     if parallel:  # each weight carries the NamedSharding the runner would place it with
         params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=NamedSharding(parallel.mesh, spec)),
@@ -79,6 +78,13 @@ def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(name):
     assert got == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 1}
 
 
+def test_int8_kv_step_lowers_for_cuda_with_its_pools_in_place():
+    """kv_dtype int8 on a bfloat16 model: still one Triton kernel a layer, and all 128 pool buffers (int8 rows
+    and scales of K and V, 32 layers) donated."""
+    got = summary(lowered_step(LAYOUTS["decode"], "cuda", dtype=jnp.bfloat16, kv_dtype=jnp.int8))
+    assert got == {"triton": 32, "cpu_ffi": 0, "donated": 128, "partitions": 1}
+
+
 def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
     """At tp=4 (forced CPU devices, in a child: the device count is fixed when jax starts) the step is 4
     partitions, attention a Triton kernel per layer inside the shard_map (each device on its heads), the
@@ -89,6 +95,7 @@ def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in LAYOUTS:
         assert got[name] == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 4}, got
+    assert got["int8 decode"] == {"triton": 32, "cpu_ffi": 0, "donated": 128, "partitions": 4}, got
 
 
 def test_bfloat16_step_makes_no_float32_copy_of_a_weight():
@@ -120,4 +127,6 @@ def test_param_shapes_are_the_loaders():
 
 
 if __name__ == "__main__":  # the tp=4 child
-    print(json.dumps({name: summary(lowered_step(layout, "cuda", tp=4)) for name, layout in LAYOUTS.items()}))
+    got = {name: summary(lowered_step(layout, "cuda", tp=4)) for name, layout in LAYOUTS.items()}
+    got["int8 decode"] = summary(lowered_step(LAYOUTS["decode"], "cuda", tp=4, dtype=jnp.bfloat16, kv_dtype=jnp.int8))
+    print(json.dumps(got))

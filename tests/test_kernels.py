@@ -318,3 +318,61 @@ def test_windowed_kernels_lower_to_triton_ir():
         fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
         modules = _triton_modules(fn, jax.ShapeDtypeStruct((tokens, 32, 128), jnp.float32), k, k, meta)
         assert len(modules) == 1 and "tt.dot" in modules[0]
+
+
+# -------------------------------------------------------------------------------------------- 8-bit KV pools
+
+
+def _int8_pools(k, v):
+    """The same K/V as an 8-bit pool (each row quantized as the model writes it) and its dequantized float32
+    values: attention over the latter is what the 8-bit pool must give."""
+    from jsgl.kernels import kv_quant
+
+    pools = [kv_quant.Int8Pool(*kv_quant.quantize(x)) for x in (k, v)]
+    return pools, [kv_quant.dequantize(p.values, p.scales) for p in pools]
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    from jsgl.kernels import kv_quant
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50, HEAD_DIM)) * 4, jnp.float32)
+    x = x.at[1, 7].set(0.0)  # an all-zero row: scale 0, values 0, no NaN
+    values, scales = kv_quant.quantize(x)
+    assert values.dtype == jnp.int8 and scales.shape == (3, 50) and int(jnp.abs(values).max()) == 127
+    err = np.abs(np.asarray(kv_quant.dequantize(values, scales)) - np.asarray(x))
+    assert (err <= np.asarray(scales)[..., None] * 0.5001 + 1e-6).all() and float(scales[1, 7]) == 0.0
+    assert kv_quant.bytes_per_head_token(jnp.int8, 64) == 68 and kv_quant.bytes_per_head_token(jnp.float32, 64) == 256
+
+
+@pytest.mark.parametrize("max_q", [1, 9])
+def test_int8_pools_in_every_attention_path(max_q):
+    """Native, and Pallas decode and extend (interpreted), over an 8-bit pool: each equals the reference over
+    the dequantized float32 pool, and stays within the quantization's error of the float32 pool's result."""
+    q_lens = [1, 1, 1, 0] if max_q == 1 else [1, 9, 3, 0]
+    kv_lens = [5, 37, 17, 0] if max_q == 1 else [5, 9, 20, 0]
+    q, k, v, meta = make_case(21 + max_q, 9, 3, kv_lens, q_lens, width=40, extra_tokens=1)
+    (k8, v8), (kd, vd) = _int8_pools(k, v)
+    want = reference(q, kd, vd, meta)
+    assert_close(reference(q, k8, v8, meta), want, atol=1e-5)
+    kernel = paged_decode_attention if max_q == 1 else paged_extend_attention
+    kwargs = {"block_k": 8, "num_splits": 2} if max_q == 1 else {"block_q": 4, "block_k": 8}
+    assert_close(run(kernel, q, k8, v8, meta, **kwargs), want, atol=1e-5)
+    assert_close(want, reference(q, k, v, meta), atol=5e-2)  # int8 rounding of unit-normal K/V
+
+
+def test_int8_kernels_lower_to_triton_ir():
+    """The 8-bit pools' kernels (int8 rows and their scales gathered, dequantized before the dots) lower to
+    verified Triton IR at Llama-like head sizes."""
+    from jsgl.kernels import kv_quant
+
+    batch, width, num_slots = 2, 256, 1024
+    pool = kv_quant.Int8Pool(jax.ShapeDtypeStruct((8, num_slots, 128), jnp.int8),
+                             jax.ShapeDtypeStruct((8, num_slots), jnp.float32))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    for max_q_len in (1, 32):
+        tokens = batch * max_q_len
+        meta = AttentionMetadata(i32(tokens), i32(batch), i32(batch), i32(batch, width), i32(batch),
+                                 max_q_len=max_q_len)
+        fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
+        modules = _triton_modules(fn, jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16), pool, pool, meta)
+        assert len(modules) == 1 and "tt.dot" in modules[0] and "i8" in modules[0]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from test_gpu_lowering import LLAMA3_8B
 
 from jsgl.engine.memory import WEIGHT_BYTES, load_config, plan_memory, weight_bytes_per_device
-from jsgl.model.config import ModelConfig
+from jsgl.model.config import LLAMA3_8B, ModelConfig
 
 GIB = 1 << 30
 

@@ -8,7 +8,7 @@ import dataclasses
 @dataclasses.dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
-    kv_cache_gb: float = 1.0  # memory budget of the KV pool (float32 K and V of all layers)
+    kv_cache_gb: float = 1.0  # memory budget of the KV pool (K and V of all layers, in the KV dtype)
     num_kv_slots: int | None = None  # overrides kv_cache_gb when set
     # Fraction of the device's memory for weights + KV pool (SGLang's mem_fraction_static); when set, the
     # pool is what is left after weights and activations (jsgl.engine.memory), instead of kv_cache_gb.
@@ -19,9 +19,10 @@ class EngineConfig:
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | cpu
     # Weights and activations (matmuls accumulate in float32), and the KV pool: auto = float32 on CPU,
-    # bfloat16 on GPU/TPU; kv auto follows dtype (jsgl.engine.memory.resolve_dtypes).
+    # bfloat16 on GPU/TPU; kv auto follows dtype (jsgl.engine.memory.resolve_dtypes). KV int8: the 8-bit format,
+    # int8 values with a scale per token and head (jsgl.kernels.kv_quant), ~3.8x float32's slots.
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    kv_dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    kv_dtype: str = "auto"  # auto | bfloat16 | float16 | float32 | int8
     matmul_backend: str = "auto"  # auto | xla | packed | gguf (kernels of jsgl.kernels.cpu; gguf: Q4_1/Q8_0 blocks)
     attention_budget_gb: float = 0.5  # bound on an extend step's padded attention scores
     prefix_cache: str = "radix"  # radix | flat | none

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.config import EngineConfig
@@ -43,6 +42,7 @@ from jsgl.engine.sequence import Sequence
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.loader import load_gguf_blocks, load_model
+from jsgl.model.sharding import TensorParallel
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
 from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.flat_cache import FlatCache
@@ -64,43 +64,46 @@ class Engine:
         cfg = self.config
         started = time.perf_counter()
         enable_compilation_cache()
-        self.model_config, np_params = load_model(cfg.model)
+        self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
+        # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it: the host
+        # never holds the whole model.
+        self.model_config, params = load_model(cfg.model, self.dtype, self._placer)
         self.tokenizer = load_tokenizer(cfg.model)
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
         self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
-        self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
         self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
                                        kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
                                        max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
-                                       weight_itemsize=self.dtype.itemsize, kv_itemsize=self.kv_dtype.itemsize)
+                                       weight_itemsize=self.dtype.itemsize, kv_dtype=self.kv_dtype)
         num_slots = self.memory_plan.num_slots
         if cfg.mem_fraction is not None:
             log.info("memory plan:\n%s", self.memory_plan.render())
         num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
         self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
-        # The CPU kernels are float32: under another dtype "auto" means XLA's dot and the native attention.
+        # The CPU kernels are float32: the matmul kernels take float32 weights and the attention kernel float32
+        # pools and activations, so on CPU "auto" means XLA's dot under another dtype, and the native attention
+        # under another dtype or KV dtype (the 8-bit format included).
         matmul, attention = cfg.matmul_backend, cfg.attention_backend
-        float32 = self.dtype == jnp.float32 and self.kv_dtype == jnp.float32
-        if not float32 and jax.default_backend() == "cpu":
-            matmul = "xla" if matmul == "auto" else matmul
-            attention = "native" if attention == "auto" else attention
+        on_cpu = jax.default_backend() == "cpu"
+        if self.dtype != jnp.float32 and on_cpu and matmul == "auto":
+            matmul = "xla"
+        if (self.dtype != jnp.float32 or self.kv_dtype != jnp.float32) and on_cpu and attention == "auto":
+            attention = "native"
         matmul = cpu_kernels.resolve_matmul_backend(matmul, cfg.tp)
-        if not float32 and (matmul != "xla" or attention == "cpu"):
-            raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU kernels are float32; use "
-                             "matmul_backend=xla and attention_backend=native (or auto)")
-        # Weights cast once, on the host (ml_dtypes), before any device copy: a bfloat16 checkpoint stays
-        # bfloat16 under dtype bfloat16, and becomes float32 for the CPU kernels.
-        np_params = jax.tree.map(lambda x: x if x.dtype == self.dtype else np.asarray(x).astype(self.dtype), np_params)
-        # tp > 1 takes the host params: each device receives only its shard (no full copy on device 0).
-        self.runner = ModelRunner(self.model_config,
-                                  np_params if cfg.tp > 1 else jax.tree.map(jnp.asarray, np_params), num_slots,
+        if self.dtype != jnp.float32 and matmul != "xla":
+            raise ValueError(f"dtype {self.dtype}: the CPU matmul kernels are float32; use matmul_backend=xla "
+                             "(or auto)")
+        if (self.dtype != jnp.float32 or self.kv_dtype != jnp.float32) and attention == "cpu":
+            raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU attention kernel is float32; "
+                             "use attention_backend=native (or auto)")
+        self.runner = ModelRunner(self.model_config, params, num_slots, params_placed=True,
                                   attention_backend=attention, matmul_backend=matmul, kv_dtype=self.kv_dtype,
                                   weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs)
-        del np_params
+        del params
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
             self.allocator, self.prefix_cache, max_running=cfg.max_running_requests,
@@ -141,6 +144,13 @@ class Engine:
         seconds = time.perf_counter() - t0
         log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), self.config.precompile, seconds)
         return seconds
+
+    def _placer(self, config: Any) -> Any:
+        """Where each loaded tensor goes: the default device, or under tensor parallelism each device's slice of
+        the padded tensor (jsgl.model.sharding)."""
+        if self.config.tp > 1:
+            return TensorParallel.create(config, self.config.tp).place
+        return lambda name, x: jnp.asarray(x)
 
     # --------------------------------------------------------------------------- extension points
     def _make_prefix_cache(self) -> PrefixCacheBase:

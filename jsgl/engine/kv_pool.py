@@ -13,21 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsgl.kernels import kv_quant
 from jsgl.model.config import ModelConfig
 
 
-def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1, itemsize: int = 4) -> int:
-    """How many token slots fit in a memory budget (rounded down to whole pages); ``itemsize``: bytes of one
-    K or V element (4 for float32 pools, 2 for bfloat16/float16)."""
-    slots = int(memory_gb * (1 << 30)) // (config.kv_bytes_per_token // 4 * itemsize)
+def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1, dtype: Any = jnp.float32) -> int:
+    """How many token slots fit in a memory budget (rounded down to whole pages) with pools of ``dtype``
+    (jsgl.kernels.kv_quant: int8 is the 8-bit format, its scales counted)."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * kv_quant.bytes_per_head_token(dtype, config.head_dim)
+    slots = int(memory_gb * (1 << 30)) // per_token
     return max(page_size * 2, slots - slots % page_size)
 
 
 def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None,
                   dtype: Any = jnp.float32):
-    """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache)."""
+    """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache); an
+    ``Int8Pool`` each under the 8-bit format."""
     shape = (config.num_kv_heads, num_slots, config.head_dim)
-    make = lambda: [jnp.zeros(shape, dtype, device=sharding) for _ in range(config.num_layers)]
+    make = lambda: [kv_quant.allocate(shape, dtype, sharding) for _ in range(config.num_layers)]
     return make(), make()
 
 

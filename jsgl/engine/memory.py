@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jsgl.engine.kv_pool import slots_for_memory
+from jsgl.kernels import kv_quant
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import param_shapes
 from jsgl.model.registry import resolve_model_path
@@ -29,15 +30,17 @@ from jsgl.model.sharding import TensorParallel, head_layout
 
 WEIGHT_BYTES = 4  # float32: the default itemsize of weights and KV (bfloat16/float16: 2)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_DTYPES = (*DTYPES, "int8")  # int8: the 8-bit KV format, int8 values with per-token scales (jsgl.kernels.kv_quant)
 
 
 def resolve_dtypes(dtype: str, kv_dtype: str, platform: str | None = None) -> tuple[Any, Any]:
     """The (weights and activations, KV pool) dtypes. ``auto``: float32 on CPU (its kernels are float32),
     bfloat16 on GPU/TPU; the KV pool's ``auto`` follows the weights. Matmuls accumulate in float32 whatever
-    the dtype; norms, RoPE, softmax, sampling and logprobs compute in float32 (jsgl.model.llama)."""
-    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
-        if value not in DTYPES:
-            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, not {value!r}")
+    the dtype; norms, RoPE, softmax, sampling and logprobs compute in float32 (jsgl.model.llama). ``kv_dtype``
+    int8 is the 8-bit KV format."""
+    for name, value, allowed in (("dtype", dtype, DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
     platform = platform or jax.default_backend()
     weights = jnp.dtype(dtype if dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16"))
     return weights, jnp.dtype(kv_dtype) if kv_dtype != "auto" else weights
@@ -122,12 +125,12 @@ def weight_bytes_per_device(config: ModelConfig, tp: int, itemsize: int = WEIGHT
 def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None = None, kv_cache_gb: float = 1.0,
                 num_kv_slots: int | None = None, max_step_tokens: int = 512, max_batch: int = 64,
                 device_bytes: tuple[int, str] | None = None, weight_itemsize: int = WEIGHT_BYTES,
-                kv_itemsize: int = WEIGHT_BYTES) -> MemoryPlan:
+                kv_dtype: Any = jnp.float32) -> MemoryPlan:
     """The KV pool's size and what each device holds. ``device_bytes`` overrides the measured device."""
     total, how = device_bytes or device_memory()
     weights = weight_bytes_per_device(config, tp, weight_itemsize)
     kv_heads = head_layout(config.num_heads, config.num_kv_heads, tp).num_kv_heads if tp > 1 else config.num_kv_heads
-    per_token = 2 * config.num_layers * (kv_heads // tp) * config.head_dim * kv_itemsize
+    per_token = 2 * config.num_layers * (kv_heads // tp) * kv_quant.bytes_per_head_token(kv_dtype, config.head_dim)
     width = config.hidden_size + (config.num_heads + 2 * config.num_kv_heads) * config.head_dim \
         + 2 * config.intermediate_size
     activations = ACTIVATION_FACTOR * weight_itemsize * (max_step_tokens * width // tp
@@ -144,5 +147,5 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
                              f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
         slots = room // per_token
     else:
-        slots = slots_for_memory(config, kv_cache_gb, itemsize=kv_itemsize)
+        slots = slots_for_memory(config, kv_cache_gb, dtype=kv_dtype)
     return MemoryPlan(how, total, tp, mem_fraction, weights, activations, per_token, slots)

@@ -84,7 +84,7 @@ def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale,
         attention = tp.shard_attention(attention)
     hidden, kv = forward_hidden(params, kv, token_ids, write_slots, meta, config, attention)
     if tp is not None:  # the updated pool keeps the donated pool's sharding, so it can alias it in place
-        kv = jax.lax.with_sharding_constraint(kv, tp.kv_sharding)
+        kv = tp.constrain_kv(kv)
     tokens, logprobs, top_vals, top_ids = sample(lm_logits(params, hidden[sample_index]), sampling)
     out = {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
     if prompt_top_k >= 0:
@@ -99,7 +99,9 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
-                 max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32):
+                 max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False):
+        """``params``: host arrays, placed here (sharded under ``tp``), or with ``params_placed`` already on their
+        devices and shards (the engine's loader puts them there tensor by tensor)."""
         self.config = config
         self.kv_dtype = jnp.dtype(kv_dtype)
         self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
@@ -122,7 +124,8 @@ class ModelRunner:
         self.tp = TensorParallel.create(config, tp) if tp > 1 else None
         self.forward_config = self.tp.config if self.tp else config
         if self.tp:
-            params, kv_sharding = self.tp.shard_params(params, config), self.tp.kv_sharding
+            params = params if params_placed else self.tp.shard_params(params, config)
+            kv_sharding = self.tp.kv_sharding
         self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding, self.kv_dtype)
         # "packed"/"gguf": the CPU kernels' weights; weight_blocks (load_gguf_blocks) serve "gguf" only.
         if self.matmul_backend != "xla":

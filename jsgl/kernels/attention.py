@@ -9,7 +9,9 @@ adds ``position - j < W``: each query sees its last ``W`` positions, itself incl
 ``sliding_window_overlay``: ``kv_idx > q_idx - W``). Every backend honours it or declines the call.
 
 Pool layout is head-major, ``[num_kv_heads, num_slots, head_dim]`` per layer: measured faster on XLA CPU
-than token-major, and it is the layout the Pallas kernels (``jsgl.kernels.pallas_*``) read.
+than token-major, and it is the layout the Pallas kernels (``jsgl.kernels.pallas_*``) read. A pool may also be
+an ``Int8Pool`` (``jsgl.kernels.kv_quant``, the 8-bit format): every backend dequantizes what it gathers, or
+declines the call.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jsgl.kernels import kv_quant
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +70,7 @@ class AttentionBackend:
     attend: AttentionFn
     rope_write_attend: FusedAttentionFn | None = None
 
-    def __call__(self, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,
+    def __call__(self, q: jax.Array, k_pool: kv_quant.KVPool, v_pool: kv_quant.KVPool, meta: AttentionMetadata,
                  scale: float) -> jax.Array:
         return self.attend(q, k_pool, v_pool, meta, scale)
 
@@ -79,7 +83,7 @@ def _padded_token_index(meta: AttentionMetadata, num_tokens: int) -> jax.Array:
 
 
 def _native_decode_attention(
-    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, scale: float
+    q: jax.Array, k_pool: kv_quant.KVPool, v_pool: kv_quant.KVPool, meta: AttentionMetadata, scale: float
 ) -> jax.Array:
     """Decode (at most one new token per request): no [B, S] regrouping of queries.
 
@@ -91,8 +95,8 @@ def _native_decode_attention(
     batch = meta.block_table.shape[0]
     qg = jnp.take(q, meta.q_start, axis=0, mode="clip")
     qg = qg.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    k = k_pool[:, meta.block_table]  # [Hkv, B, L, D]
-    v = v_pool[:, meta.block_table]
+    k = kv_quant.gather(k_pool, meta.block_table)  # [Hkv, B, L, D]
+    v = kv_quant.gather(v_pool, meta.block_table)
     scores = jnp.einsum("bhgd,hbld->bhgl", qg.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
     visible = key_pos[None, :] < meta.kv_lens[:, None]
@@ -109,7 +113,7 @@ def _native_decode_attention(
 
 
 def native_paged_attention(
-    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, scale: float
+    q: jax.Array, k_pool: kv_quant.KVPool, v_pool: kv_quant.KVPool, meta: AttentionMetadata, scale: float
 ) -> jax.Array:
     """Pure-JAX reference and CPU path.
 
@@ -130,8 +134,8 @@ def native_paged_attention(
     qp = qp.reshape(batch, meta.max_q_len, num_kv_heads, group, head_dim)
     qp = qp.transpose(2, 3, 0, 1, 4)  # [Hkv, G, B, S, D] head-major
 
-    k = k_pool[:, meta.block_table]  # [Hkv, B, L, D]
-    v = v_pool[:, meta.block_table]
+    k = kv_quant.gather(k_pool, meta.block_table)  # [Hkv, B, L, D]
+    v = kv_quant.gather(v_pool, meta.block_table)
     scores = jnp.einsum("hgbsd,hbld->hgbsl", qp.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
     mask = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < meta.kv_lens[:, None, None])

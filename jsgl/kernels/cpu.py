@@ -224,8 +224,9 @@ def attention_supported(q_heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def _kernel_serves(q: jax.Array, k_pool: jax.Array, meta: AttentionMetadata) -> bool:
-    # The C++ kernels have no sliding window: windowed layers take the native path, which masks it.
-    return (meta.sliding_window is None
+    # The C++ kernels have no sliding window and read float32 pools only: windowed layers and other KV formats
+    # (bfloat16, the 8-bit Int8Pool) take the native path.
+    return (meta.sliding_window is None and k_pool.dtype == jnp.float32
             and attention_supported(q.shape[1], k_pool.shape[0], q.shape[2]))
 
 
@@ -255,7 +256,7 @@ def cpu_rope_write_attention(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Arra
     kv_heads, _, head_dim = k_pool.shape
     t, q_heads = qkv.shape[0], qkv.shape[1] // head_dim - 2 * kv_heads
     q_shape = jax.ShapeDtypeStruct((t, q_heads, head_dim), jnp.float32)
-    if not _kernel_serves(q_shape, k_pool, meta) or k_pool.dtype != jnp.float32:
+    if not _kernel_serves(q_shape, k_pool, meta):
         return None
     _require()
     outs = (q_shape, jax.ShapeDtypeStruct(k_pool.shape, jnp.float32), jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))

@@ -35,6 +35,10 @@ that is a pointer-tensor gather ``base + slot * D + d`` (``tt.load`` on a ``[blo
 same mechanism as ``jax.experimental.pallas.ops.gpu.paged_attention``'s ``k_pages_ref[block_tables]``);
 in interpret mode it discharges to an XLA gather. No K/V is copied outside the kernel.
 
+**8-bit KV** (``jsgl.kernels.kv_quant.Int8Pool``): the kernels take the int8 pools and their ``[N]`` per-token
+scales as two more inputs, gather the scales with the same slots and dequantize each gathered block to the
+query's dtype before its dots: only int8 rows (and a float per row) cross memory.
+
 **Lowering notes (jax 0.10.2).** Written for the Pallas **Triton** GPU lowering (``plgpu.load/store``
 masks, ``CompilerParams(num_warps, num_stages)``): every loaded/stored tile has power-of-two size
 (``block_h``, ``block_k``, ``block_q``, ``head_dim`` must be powers of two, and >= 16 for ``tl.dot`` on GPU);
@@ -60,6 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jsgl.kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+from jsgl.kernels.kv_quant import Int8Pool, KVPool
 
 # Module-level switch: None = decide per call (interpret on CPU, compiled Triton on GPU).
 INTERPRET: bool | None = None
@@ -112,12 +117,34 @@ def _pad_table(block_table: jax.Array, block_k: int) -> jax.Array:
     return block_table.astype(jnp.int32)
 
 
-def _gather_kv(bt_ref, k_ref, v_ref, first_key, length, block_k: int):
-    """Slots and K/V rows ``[block_k, D]`` of positions ``first_key + [0, block_k)`` (invalid -> slot 0)."""
+def _gather_kv(bt_ref, kv_refs, first_key, length, block_k: int, dtype):
+    """Slots and K/V rows ``[block_k, D]`` of positions ``first_key + [0, block_k)`` (invalid -> slot 0).
+    ``kv_refs``: (k, v) of a plain pool, or (k, v, k scales, v scales) of the 8-bit format, whose rows are
+    dequantized here to ``dtype`` (the query's): the int8 rows are what crosses memory."""
     key_pos = first_key + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     slots = bt_ref[pl.ds(first_key, block_k)]
     slots = jnp.where(key_pos < length, slots, 0)
-    return key_pos, k_ref[slots, :], v_ref[slots, :]
+    k, v = kv_refs[0][slots, :], kv_refs[1][slots, :]
+    if len(kv_refs) == 4:
+        k = (k.astype(jnp.float32) * kv_refs[2][slots][:, None]).astype(dtype)
+        v = (v.astype(jnp.float32) * kv_refs[3][slots][:, None]).astype(dtype)
+    return key_pos, k, v
+
+
+def _kv_operands(k_pool: KVPool, v_pool: KVPool) -> list[jax.Array]:
+    """The kernels' K/V inputs: ``[k, v]``, or ``[k, v, k scales, v scales]`` for the 8-bit format."""
+    if isinstance(k_pool, Int8Pool):
+        return [k_pool.values, v_pool.values, k_pool.scales, v_pool.scales]
+    return [k_pool, v_pool]
+
+
+def _kv_specs(operands: list[jax.Array], head_of) -> list[pl.BlockSpec]:
+    """BlockSpecs of the K/V operands: the whole pool of the KV head ``head_of(*grid indices)``."""
+    def spec(x: jax.Array) -> pl.BlockSpec:
+        rest = (0,) * (x.ndim - 1)
+        return pl.BlockSpec((None, *x.shape[1:]), lambda *grid: (head_of(*grid), *rest))
+
+    return [spec(x) for x in operands]
 
 
 def _online_softmax_init(rows: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -150,16 +177,13 @@ def _decode_kernel(
     len_ref,  # [1] int32
     q_ref,  # [block_h, D]
     bt_ref,  # [Lp] int32: this request's slot table, zero padded
-    k_ref,  # [N, D]: this KV head's pool
-    v_ref,  # [N, D]
-    o_ref,  # [block_h, D] float32, un-normalised
-    m_ref,  # [block_h] float32, running max
-    l_ref,  # [block_h] float32, running sum
-    *,
+    *refs,  # k, v [N, D] (this KV head's pool; and their [N] scales in the 8-bit format), then the outputs:
+    # o [block_h, D] float32 un-normalised, m [block_h] float32 running max, l [block_h] float32 running sum
     scale: float,
     block_k: int,
     num_splits: int,
 ):
+    kv_refs, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
     split = pl.program_id(2)
     start, length = start_ref[0], len_ref[0]
     block_h, head_dim = q_ref.shape
@@ -173,7 +197,7 @@ def _decode_kernel(
     count = jnp.maximum(jnp.minimum(mine + per_split, num_blocks) - mine, 0)
 
     def body(i, carry):
-        key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, (first + i) * block_k, length, block_k)
+        key_pos, k, v = _gather_kv(bt_ref, kv_refs, (first + i) * block_k, length, block_k, q.dtype)
         return _online_softmax_block(carry, q, k, v, ((key_pos < length) & (key_pos >= start))[None, :], scale)
 
     acc, m_run, l_run = lax.fori_loop(0, count, body, _online_softmax_init(block_h, head_dim))
@@ -184,8 +208,8 @@ def _decode_kernel(
 
 def _decode_partials(
     q_grp: jax.Array,  # [B, Hkv, block_h, D]
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: KVPool,
+    v_pool: KVPool,
     block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
     starts: jax.Array,  # [B] int32
     lengths: jax.Array,  # [B] int32
@@ -199,7 +223,7 @@ def _decode_partials(
 ):
     """The decode kernel call: per-split partials ``(acc [P,B,Hkv,block_h,D], m, l [P,B,Hkv,block_h])``."""
     batch, num_kv_heads, block_h, head_dim = q_grp.shape
-    num_slots = k_pool.shape[1]
+    kv = _kv_operands(k_pool, v_pool)
     width = block_table.shape[1]
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, num_splits=num_splits)
     part = (num_splits, batch, num_kv_heads, block_h)
@@ -211,8 +235,7 @@ def _decode_partials(
             pl.BlockSpec((1,), lambda b, h, s: (b,)),
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),
-            pl.BlockSpec((None, num_slots, head_dim), lambda b, h, s: (h, 0, 0)),
+            *_kv_specs(kv, lambda b, h, s: h),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -226,8 +249,8 @@ def _decode_partials(
         ],
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}",
-    )(starts, lengths, q_grp, block_table, k_pool, v_pool)
+        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}{'_int8' if len(kv) == 4 else ''}",
+    )(starts, lengths, q_grp, block_table, *kv)
 
 
 def _combine_splits(acc: jax.Array, m_run: jax.Array, l_run: jax.Array) -> jax.Array:
@@ -248,8 +271,8 @@ def default_num_splits(batch: int, num_kv_heads: int, table_width: int, block_k:
 
 def paged_decode_attention(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: KVPool,
+    v_pool: KVPool,
     meta: AttentionMetadata,
     scale: float,
     *,
@@ -327,15 +350,14 @@ def _extend_kernel(
     pos_ref,  # [T] int32 positions (all tokens)
     q_ref,  # [T, D]: all tokens, this query head
     bt_ref,  # [Lp] int32: this request's slot table
-    k_ref,  # [N, D]: this query head's KV head
-    v_ref,  # [N, D]
-    o_ref,  # [T, D]: all tokens, this query head
-    *,
+    *refs,  # k, v [N, D] of this query head's KV head (and their [N] scales in the 8-bit format); then
+    # o [T, D]: all tokens, this query head
     scale: float,
     block_q: int,
     block_k: int,
     window: int | None,
 ):
+    kv_refs, o_ref = refs[:-1], refs[-1]
     q_block = pl.program_id(2)
     q_len = ql_ref[0]
     row0 = q_block * block_q
@@ -358,7 +380,7 @@ def _extend_kernel(
             first_block = jnp.minimum(jnp.maximum(first_pos + 1 - window, 0) // block_k, num_blocks)
 
         def body(i, carry):
-            key_pos, k, v = _gather_kv(bt_ref, k_ref, v_ref, i * block_k, kv_len, block_k)
+            key_pos, k, v = _gather_kv(bt_ref, kv_refs, i * block_k, kv_len, block_k, q.dtype)
             valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)  # causal + in range
             if window is not None:
                 valid &= key_pos[None, :] > pos[:, None] - window
@@ -371,8 +393,8 @@ def _extend_kernel(
 
 def _extend_call(
     q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: KVPool,
+    v_pool: KVPool,
     positions: jax.Array,  # [T] int32
     q_start: jax.Array,  # [B] int32
     q_len: jax.Array,  # [B] int32
@@ -390,12 +412,12 @@ def _extend_call(
 ) -> jax.Array:
     """The extend kernel call: flat ``[T, Hq, D]`` output, rows not covered by any request undefined."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_slots, _ = k_pool.shape
+    num_kv_heads = k_pool.shape[0]
+    kv = _kv_operands(k_pool, v_pool)
     group = num_q_heads // num_kv_heads
     batch, width = block_table.shape
     kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window)
     per_req = lambda b, h, i: (b,)
-    kv_spec = pl.BlockSpec((None, num_slots, head_dim), lambda b, h, i: (h // group, 0, 0))
     tok_spec = pl.BlockSpec((num_tokens, None, head_dim), lambda b, h, i: (0, h, 0))
     return pl.pallas_call(
         kernel,
@@ -407,21 +429,20 @@ def _extend_call(
             pl.BlockSpec((num_tokens,), lambda b, h, i: (0,)),
             tok_spec,
             pl.BlockSpec((None, width), lambda b, h, i: (b, 0)),
-            kv_spec,
-            kv_spec,
+            *_kv_specs(kv, lambda b, h, i: h // group),
         ],
         out_specs=tok_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_extend_bq{block_q}_bk{block_k}",
-    )(q_start, q_len, kv_lens, positions, q, block_table, k_pool, v_pool)
+        name=f"jsgl_paged_extend_bq{block_q}_bk{block_k}{'_int8' if len(kv) == 4 else ''}",
+    )(q_start, q_len, kv_lens, positions, q, block_table, *kv)
 
 
 def paged_extend_attention(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: KVPool,
+    v_pool: KVPool,
     meta: AttentionMetadata,
     scale: float,
     *,
@@ -477,8 +498,8 @@ def paged_extend_attention(
 
 def pallas_paged_attention(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    k_pool: KVPool,
+    v_pool: KVPool,
     meta: AttentionMetadata,
     scale: float,
     *,

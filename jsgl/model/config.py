@@ -31,6 +31,16 @@ _MISSING = {
 }
 
 
+# Llama-3-8B's config.json, for planning and lowering at a real model's shapes without its weights (the GPU
+# lowering tests, `jsgl bench device`'s whole-step timings).
+LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+             "bos_token_id": 128000, "eos_token_id": 128001,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+
+
 class UnsupportedModelError(ValueError):
     """A model config (config.json or GGUF metadata) jsgl cannot run exactly; the message names the field."""
 

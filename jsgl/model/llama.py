@@ -15,14 +15,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jsgl.kernels import kv_quant
 from jsgl.kernels.attention import AttentionBackend, AttentionFn, AttentionMetadata
 from jsgl.kernels.cpu import PACKED_TYPES, PackedWeight, QuantWeight, pack_quant, pack_weight, packed_matmul
 from jsgl.model.config import ModelConfig
 
 Params = dict[str, Any]
-# Per-layer K and V pools, each [num_kv_heads, num_slots, head_dim]: separate buffers, like the weights,
-# so every layer's scatter updates its own donated buffer in place and no layer slice is ever copied.
-KVCache = tuple[list[jax.Array], list[jax.Array]]
+# Per-layer K and V pools, each [num_kv_heads, num_slots, head_dim] (an Int8Pool in the 8-bit format): separate
+# buffers, like the weights, so every layer's scatter updates its own donated buffer in place and no layer slice
+# is ever copied.
+KVCache = tuple[list[kv_quant.KVPool], list[kv_quant.KVPool]]
 # A layer's matmul weights ([in, out] arrays), grouped by the input they multiply. Packed for the CPU kernels
 # (with_packed_weights), each group becomes one PackedWeight named "wq+wk+wv" etc.: one call instead of three
 # (the down projection's key stays "w_down": the group of one).
@@ -147,9 +149,9 @@ def _layer(
     meta: AttentionMetadata,
     h: jax.Array,
     layer: Params,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k_pool: kv_quant.KVPool,
+    v_pool: kv_quant.KVPool,
+) -> tuple[jax.Array, kv_quant.KVPool, kv_quant.KVPool]:
     num_tokens = h.shape[0]
     qkv = _normed_qkv(h, layer, cfg.rms_norm_eps)
     scale = cfg.head_dim**-0.5
@@ -172,8 +174,7 @@ def _layer(
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q, k = rope(q, *rope_cos_sin), rope(k, *rope_cos_sin)
         # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
-        k_pool = k_pool.at[:, write_slots].set(k.swapaxes(0, 1).astype(k_pool.dtype))
-        v_pool = v_pool.at[:, write_slots].set(v.swapaxes(0, 1).astype(v_pool.dtype))
+        k_pool, v_pool = kv_quant.write(k_pool, write_slots, k), kv_quant.write(v_pool, write_slots, v)
         attn = attention.attend(q, k_pool, v_pool, meta, scale)
     h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
     return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool

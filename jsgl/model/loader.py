@@ -1,4 +1,4 @@
-"""Load weights into one float32 pytree: from GGUF (dequantized) or HF safetensors folders.
+"""Load weights into one params pytree, tensor by tensor: from GGUF (dequantized) or HF safetensors folders.
 
 Converted weights are cached as safetensors beside the saved tokenizer, so the second start skips
 dequantization.
@@ -18,14 +18,16 @@ An HF checkpoint must hold exactly the tensors its config implies: a missing one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from jsgl.kernels.quant import QuantBlocks
 from jsgl.model.config import ModelConfig, UnsupportedModelError, refuse
@@ -58,26 +60,50 @@ _GLOBAL_TENSORS = {
 }
 
 
-def load_model(model: str | os.PathLike) -> tuple[ModelConfig, Params]:
-    """Config and numpy params of a model alias, .gguf file (float32, dequantized) or HF folder (its bfloat16 or
-    float16 kept, anything else float32)."""
+Put = Callable[[str, np.ndarray], Any]  # (key: "embed", "layers.3.wq", ...; the tensor) -> what the params hold
+
+
+def load_model(model: str | os.PathLike, dtype: Any = None,
+               placer: Callable[[ModelConfig], Put] | None = None) -> tuple[ModelConfig, Params]:
+    """Config and params of a model alias, .gguf file (float32, dequantized) or HF folder (its bfloat16 or
+    float16 kept, anything else float32), as numpy arrays.
+
+    ``dtype``: every tensor cast to it as it is read. ``placer(config)``: a function called on each tensor as
+    soon as it is read and converted, whose result the params hold instead (the engine puts each on its device,
+    or its shards on theirs): tensor by tensor, the host then holds about one tensor at a time, never the model
+    (an HF folder, or a GGUF's converted cache; converting a GGUF the first time reads it whole)."""
     path = resolve_model_path(model)
     if path.is_dir():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-        return config, _load_hf(path, config)
+        return config, _load_hf(path, config, _putter(config, dtype, placer))
     cache = model_cache_dir(path)
     config_file, weights_file = cache / "config.json", cache / "params.v2.safetensors"
     (cache / "params.safetensors").unlink(missing_ok=True)  # v1: layers stacked
     if config_file.exists() and weights_file.exists():
         config = ModelConfig.from_hf(json.loads(config_file.read_text()))
-        return config, _unflatten(load_file(weights_file))
+        put = _putter(config, dtype, placer)
+        return config, _unflatten({name: put(name, t.read()) for name, t in read_safetensors(weights_file).items()})
     hf_config, params = _load_gguf(path)
     config = ModelConfig.from_hf(hf_config)
     tmp = weights_file.with_suffix(".tmp")
-    save_file(_flatten(params), tmp)
+    flat = _flatten(params)
+    del params
+    save_file(flat, tmp)
     os.replace(tmp, weights_file)
     config_file.write_text(json.dumps(hf_config))
-    return config, params
+    put = _putter(config, dtype, placer)
+    return config, _unflatten({name: put(name, flat.pop(name)) for name in list(flat)})
+
+
+def _putter(config: ModelConfig, dtype: Any, placer: Callable[[ModelConfig], Put] | None) -> Put:
+    place = placer(config) if placer is not None else None
+
+    def put(name: str, x: np.ndarray) -> Any:
+        if dtype is not None and x.dtype != dtype:
+            x = x.astype(dtype)
+        return place(name, x) if place is not None else x
+
+    return put
 
 
 def _flatten(params: Params) -> dict[str, np.ndarray]:
@@ -322,14 +348,34 @@ _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.b
                        "BOOL": np.bool_}
 
 
-def read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file as a read-only view of the memory-mapped file, in its stored dtype
-    (bfloat16 through ml_dtypes: safetensors' numpy reader refuses it). Nothing is read until a tensor is used,
-    so a sharded checkpoint costs host memory only for the tensors converted so far."""
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a .safetensors file lies; ``read()`` reads it (and only it) into a fresh array."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dtype: Any
+    shape: tuple[int, ...]
+
+    def read(self) -> np.ndarray:
+        # A plain read into a new buffer, not a memory map: a mapped file's pages stay resident (and counted)
+        # until it is unmapped, so mapping a checkpoint and reading it through costs the whole file.
+        buffer = np.empty(self.nbytes, np.uint8)
+        with open(self.file, "rb") as f:
+            f.seek(self.offset)
+            if f.readinto(buffer) != self.nbytes:
+                raise UnsupportedModelError(f"{self.file.name}: truncated tensor data")
+        return buffer.view(self.dtype).reshape(self.shape)
+
+
+def read_safetensors(file: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a .safetensors file, by name, unread, in its stored dtype (bfloat16 through ml_dtypes:
+    safetensors' numpy reader refuses it): a sharded checkpoint costs host memory only for the tensor being
+    converted."""
     with open(file, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
-    data = np.memmap(file, dtype=np.uint8, mode="r", offset=8 + header_len)
     out = {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -338,40 +384,49 @@ def read_safetensors(file: Path) -> dict[str, np.ndarray]:
             raise UnsupportedModelError(f"{file.name}: tensor {name} has dtype {entry['dtype']}, which jsgl does "
                                         "not read")
         start, end = entry["data_offsets"]
-        out[name] = data[start:end].view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        out[name] = StoredTensor(file, 8 + header_len + start, end - start, _SAFETENSORS_DTYPES[entry["dtype"]],
+                                 tuple(entry["shape"]))
     return out
 
 
-def _load_hf(path: Path, config: ModelConfig) -> Params:
-    """Weights in their stored dtype when it is bfloat16 or float16 (the engine casts them to its dtype policy:
-    a bfloat16 checkpoint stays bfloat16 on a GPU); float32 otherwise."""
+def _load_hf(path: Path, config: ModelConfig, put: Put) -> Params:
+    """Each tensor read, converted (matrices to [in, out]; bfloat16 or float16 kept, anything else float32, unless
+    ``put`` casts it) and handed to ``put`` in turn."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors weights")
-    raw: dict[str, np.ndarray] = {}
+    raw: dict[str, StoredTensor] = {}
     for f in files:
         raw.update(read_safetensors(f))
     used: set[str] = set()
 
-    def get(name: str) -> np.ndarray:
+    def get(ours: str, name: str, transpose: bool = False) -> Any:
         used.add(name)
-        x = raw[name]
-        return np.array(x) if x.dtype in (np.float16, ml_dtypes.bfloat16) else np.asarray(x, dtype=np.float32)
+        x = raw[name].read()
+        dtype = x.dtype if x.dtype in (np.float16, ml_dtypes.bfloat16) else np.float32
+        # One new array, transposed and cast at once: with the buffer read, two copies of the tensor at most.
+        x = np.asarray(x.T if transpose and x.ndim == 2 else x, dtype=dtype, order="C")
+        return put(ours, x)
 
-    tensors = {ours: get(h) for ours, (_, h) in _GLOBAL_TENSORS.items() if h in raw}
     if config.tie_word_embeddings:
         used.add(_GLOBAL_TENSORS["lm_head"][1])  # a tied checkpoint may still store it: the embedding is used
-    elif "lm_head" not in tensors:
+    elif _GLOBAL_TENSORS["lm_head"][1] not in raw:
         refuse("tie_word_embeddings", False, "the checkpoint has no lm_head.weight (transformers would "
                "initialise it randomly)")
-    per_layer = []
-    for i in range(config.num_layers):
-        layer = {ours: get(f"model.layers.{i}.{h}") for ours, (_, h) in _LAYER_TENSORS.items()
-                 if f"model.layers.{i}.{h}" in raw}
-        _check_layer(layer, config, i)
-        per_layer.append(layer)
-    leftover = sorted(n for n in raw.keys() - used if not n.endswith(_IGNORED_HF_SUFFIXES))
+    names = [[ours for ours, (_, h) in _LAYER_TENSORS.items() if f"model.layers.{i}.{h}" in raw]
+             for i in range(config.num_layers)]
+    for i, layer_names in enumerate(names):  # the whole checkpoint checked before any tensor is read
+        _check_layer(dict.fromkeys(layer_names), config, i)
+    leftover = sorted(n for n in raw.keys() - used - {f"model.layers.{i}.{_LAYER_TENSORS[o][1]}"
+                                                       for i, layer_names in enumerate(names) for o in layer_names}
+                      - {h for _, h in _GLOBAL_TENSORS.values()} if not n.endswith(_IGNORED_HF_SUFFIXES))
     if leftover:
         refuse("tensor", leftover[0], f"jsgl's {config.architecture} forward would not use it "
                f"({len(leftover)} such tensors)")
-    return _finish(tensors, per_layer, config.tie_word_embeddings)
+    params: Params = {"embed": get("embed", _GLOBAL_TENSORS["embed"][1]),
+                      "final_norm": get("final_norm", _GLOBAL_TENSORS["final_norm"][1])}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = get("lm_head", _GLOBAL_TENSORS["lm_head"][1], transpose=True)
+    params["layers"] = [{ours: get(f"layers.{i}.{ours}", f"model.layers.{i}.{_LAYER_TENSORS[ours][1]}", True)
+                         for ours in layer_names} for i, layer_names in enumerate(names)]
+    return params

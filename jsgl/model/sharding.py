@@ -157,66 +157,62 @@ class TensorParallel:
         return self.layout.tp
 
     # ------------------------------------------------------------------------------------- params
-    def pad_params(self, params: Params, original: ModelConfig) -> Params:
-        """Host-side: reorder/zero-pad heads and the MLP width to the layout (numpy in, numpy out)."""
-        hd, inter = original.head_dim, self.config.intermediate_size
-        lay = self.layout
+    def pad_tensor(self, name: str, w: np.ndarray) -> np.ndarray:
+        """One params leaf in the padded layout, on the host (``name``: its key; a layer's without the
+        ``layers.i.`` prefix): heads reordered/zero-padded, the MLP width zero-padded."""
+        lay, hd, inter = self.layout, self.config.head_dim, self.config.intermediate_size
+        heads = {"wq": (lay.q_heads, 1), "wk": (lay.kv_heads, 1), "wv": (lay.kv_heads, 1), "wo": (lay.q_heads, 0),
+                 "bq": (lay.q_heads, 0), "bk": (lay.kv_heads, 0), "bv": (lay.kv_heads, 0)}
+        if name in heads and not lay.is_identity:
+            return _take_heads(np.asarray(w), *heads[name], hd)
+        if name in ("w_gate", "w_up", "w_down"):
+            return _pad_axis(np.asarray(w), 0 if name == "w_down" else 1, inter)
+        return w
 
-        def pad_layer(layer: Params) -> Params:
-            layer = {name: np.asarray(w) for name, w in layer.items()}
-            if not lay.is_identity:
-                for name, heads in (("wq", lay.q_heads), ("wk", lay.kv_heads), ("wv", lay.kv_heads)):
-                    layer[name] = _take_heads(layer[name], heads, 1, hd)
-                for name, heads in (("bq", lay.q_heads), ("bk", lay.kv_heads), ("bv", lay.kv_heads)):
-                    if name in layer:
-                        layer[name] = _take_heads(layer[name], heads, 0, hd)
-                layer["wo"] = _take_heads(layer["wo"], lay.q_heads, 0, hd)
-            layer["w_gate"] = _pad_axis(layer["w_gate"], 1, inter)
-            layer["w_up"] = _pad_axis(layer["w_up"], 1, inter)
-            layer["w_down"] = _pad_axis(layer["w_down"], 0, inter)
-            return layer
-
-        return {**{k: v for k, v in params.items() if k != "layers"},
-                "layers": [pad_layer(layer) for layer in params["layers"]]}
+    def spec(self, name: str, shape: tuple[int, ...]) -> P:
+        """PartitionSpec of the (padded) leaf ``name`` of this shape."""
+        tp = self.tp
+        if name == "embed":
+            vocab, hidden = shape
+            # Vocab-parallel; else split D (a local gather, all-reduced logits); else replicated.
+            return P(AXIS, None) if vocab % tp == 0 else P(None, AXIS) if hidden % tp == 0 else P()
+        if name == "lm_head":
+            return P(None, AXIS) if shape[1] % tp == 0 else P()
+        if name in _COLUMN:
+            return P(None, AXIS)
+        if name in _ROW:
+            return P(AXIS, None)
+        return P(AXIS) if name in _BIAS else P()  # norms (and o's bias) replicated
 
     def param_specs(self, params: Params) -> Params:
         """PartitionSpec of every leaf of a (padded) params pytree."""
-        tp = self.tp
-        vocab, hidden = params["embed"].shape
-        if vocab % tp == 0:
-            embed = P(AXIS, None)  # vocab-parallel
-        elif hidden % tp == 0:
-            embed = P(None, AXIS)
-        else:
-            embed = P()
-        specs: Params = {"embed": embed, "final_norm": P()}
-        if "lm_head" in params:
-            specs["lm_head"] = P(None, AXIS) if vocab % tp == 0 else P()
-        layer_specs = {}
-        for name in params["layers"][0]:
-            if name in _COLUMN:
-                layer_specs[name] = P(None, AXIS)
-            elif name in _ROW:
-                layer_specs[name] = P(AXIS, None)
-            elif name in _BIAS:
-                layer_specs[name] = P(AXIS)
-            else:  # norms
-                layer_specs[name] = P()
-        specs["layers"] = [layer_specs] * len(params["layers"])
-        return specs
+        return {**{k: self.spec(k, v.shape) for k, v in params.items() if k != "layers"},
+                "layers": [{k: self.spec(k, v.shape) for k, v in layer.items()} for layer in params["layers"]]}
+
+    def place(self, name: str, w: np.ndarray) -> jax.Array:
+        """Pad one host leaf (a padded copy where the layout pads it) and give each device its slice of it: no
+        device ever holds the whole tensor, and the host one tensor at a time (the loader calls this per tensor)."""
+        w = self.pad_tensor(name.rsplit(".", 1)[-1], w)
+        sharding = NamedSharding(self.mesh, self.spec(name.rsplit(".", 1)[-1], w.shape))
+        return jax.make_array_from_callback(w.shape, sharding, lambda index: w[index])
 
     def shard_params(self, params: Params, original: ModelConfig) -> Params:
         """Pad on the host and place each leaf with its NamedSharding (each device gets only its slice)."""
-        padded = self.pad_params(params, original)
-        specs = self.param_specs(padded)
-        return jax.tree.map(lambda w, spec: jax.device_put(np.asarray(w), NamedSharding(self.mesh, spec)),
-                            padded, specs)
+        del original
+        return {**{k: self.place(k, v) for k, v in params.items() if k != "layers"},
+                "layers": [{k: self.place(k, v) for k, v in layer.items()} for layer in params["layers"]]}
 
     # ------------------------------------------------------------------------------------ KV pool
     @property
     def kv_sharding(self) -> NamedSharding:
         """Per-layer pools [Hkv', N, hd] split over KV heads: each device stores its own heads' K/V."""
         return NamedSharding(self.mesh, P(AXIS, None, None))
+
+    def constrain_kv(self, kv: Any) -> Any:
+        """Every pool leaf split over its heads (axis 0): the values [Hkv', N, hd] and, in the 8-bit format,
+        the scales [Hkv', N]."""
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, _head_spec(x))),
+                            kv)
 
     # ---------------------------------------------------------------------------------- attention
     def shard_attention(self, attention: AttentionBackend) -> AttentionBackend:
@@ -229,12 +225,18 @@ class TensorParallel:
                                 functools.partial(_sharded_attention, attention.attend, self.mesh))
 
 
-def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool: jax.Array,
-                       v_pool: jax.Array, meta: AttentionMetadata, scale: float) -> jax.Array:
+def _head_spec(x: Any) -> P:
+    """A pool leaf split over its leading (KV head) axis."""
+    return P(AXIS, *(None,) * (x.ndim - 1))
+
+
+def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool: Any,
+                       v_pool: Any, meta: AttentionMetadata, scale: float) -> jax.Array:
     # check_vma=False: a pallas_call's out_shape does not say how it varies over the manual axis, which
     # the check would require; the body has no collectives, so the check would verify nothing anyway.
+    pool_specs = lambda pool: jax.tree.map(_head_spec, pool)  # noqa: E731  (an Int8Pool: values and scales)
     local = jax.shard_map(
         lambda q, k, v, m: attention(q, k, v, m, scale), mesh=mesh,
-        in_specs=(P(None, AXIS, None), P(AXIS, None, None), P(AXIS, None, None), P()),
+        in_specs=(P(None, AXIS, None), pool_specs(k_pool), pool_specs(v_pool), P()),
         out_specs=P(None, AXIS, None), check_vma=False)
     return local(q, k_pool, v_pool, meta)
