@@ -179,7 +179,7 @@ def test_filters_in_a_large_vocabulary_sample_the_candidates_exactly(shuffled_lo
     cases = {**FILTER_CASES, "plain": (1.0, vocab, 1.0, 0.0)}
     for name, case in cases.items():
         # A fresh function each time: the jit cache must not keep a trace made with other widths.
-        [tokens] = sample_filtered(logits, [case], 4000, sampler=lambda x, s: sample(x, s))
+        [tokens] = sample_filtered(logits, [case], 5000, sampler=lambda x, s: sample(x, s))
         target = np.zeros(vocab)
         target[ids] = reference_distribution(shuffled_logits.astype(np.float64), *case[:1],
                                              min(case[1], len(ids)), *case[2:])
