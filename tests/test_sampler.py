@@ -163,32 +163,6 @@ def test_filters_on_shuffled_logits_follow_the_numpy_distribution(shuffled_logit
             raise AssertionError(f"{name}: {exc}") from None
 
 
-@pytest.mark.parametrize("widths", [None, (4,)], ids=["candidates", "full sort fallback"])
-def test_filters_in_a_large_vocabulary_sample_the_candidates_exactly(shuffled_logits, monkeypatch, widths):
-    """The ten shuffled tokens at scattered ids of a 1024-token vocabulary (the rest at -1e4): filtered rows
-    are sampled from the top-256 candidates (or, when a row keeps more tokens than the candidates hold, after
-    the full sort) and unfiltered rows from the whole softmax; each follows the numpy distribution."""
-    import jsgl.engine.sampler as sampler
-
-    if widths is not None:
-        monkeypatch.setattr(sampler, "CANDIDATE_WIDTHS", widths)
-    vocab = 1024
-    ids = np.random.default_rng(3).choice(vocab, len(shuffled_logits), replace=False)
-    logits = np.full(vocab, -1e4, np.float32)
-    logits[ids] = shuffled_logits
-    cases = {**FILTER_CASES, "plain": (1.0, vocab, 1.0, 0.0)}
-    for name, case in cases.items():
-        # A fresh function each time: the jit cache must not keep a trace made with other widths.
-        [tokens] = sample_filtered(logits, [case], 5000, sampler=lambda x, s: sample(x, s))
-        target = np.zeros(vocab)
-        target[ids] = reference_distribution(shuffled_logits.astype(np.float64), *case[:1],
-                                             min(case[1], len(ids)), *case[2:])
-        try:
-            assert_follows(tokens, target)
-        except AssertionError as exc:
-            raise AssertionError(f"{name}: {exc}") from None
-
-
 # ------------------------------------------------------------- masks, bias, repetition penalty, logprobs
 
 

@@ -75,69 +75,22 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, x.shape[-1] - 1)  # a row with a NaN: nothing equals its NaN maximum
 
 
-# Top-k widths tried, in turn, before a full sort of the vocabulary: a filtered row (top-k, top-p, min-p) whose
-# kept tokens all rank within the width is sampled exactly from those candidates. XLA CPU's sort is slow: two
-# argsorts of 16 rows x 49k logits took ~520 ms (a tree-of-thought decode step sampling with top-p spent nearly
-# all its time there), lax.top_k(256) ~6 ms, top_k(4096) more, so the full sort is the rare last resort.
-CANDIDATE_WIDTHS = (256, 4096)
-
-
-def _keep_sorted(sorted_logits: jax.Array, log_z: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array]:
-    """Which of each row's logits, sorted descending, top-k, top-p and min-p keep (probabilities normalized over
-    the whole vocabulary by ``log_z``), and those probabilities. Each filter keeps a prefix of the sorted order."""
-    probs = jnp.exp(sorted_logits - log_z[:, None])
-    rank = jnp.arange(sorted_logits.shape[-1])[None, :]
+def _filter_sorted(logits: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Apply top-k, top-p and min-p in sorted order; returns logits with filtered entries at -inf."""
+    vocab = logits.shape[-1]
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
     keep = rank < s.top_k[:, None]
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < s.top_p[:, None]
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    return keep, probs
-
-
-def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index drawn from each row's non-negative (unnormalized) ``weights`` with its uniform ``u`` in [0, 1)."""
-    cdf = jnp.cumsum(weights, axis=-1)
-    index = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
-    return jnp.minimum(index, weights.shape[-1] - 1)
-
-
-def _filter_sorted(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Apply top-k, top-p and min-p over the whole sorted vocabulary; filtered entries at -inf."""
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    keep, _ = _keep_sorted(sorted_logits, jax.nn.logsumexp(logits, axis=-1), s)
     filtered_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
-    inverse = jnp.argsort(order, axis=-1)  # back to vocabulary order
+    # Scatter back to vocabulary order.
+    inverse = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(filtered_sorted, inverse, axis=-1)
-
-
-def _sample_filtered(scaled: jax.Array, u: jax.Array, rows: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Tokens of the filtered ``rows``: from the top CANDIDATE_WIDTHS[i] candidates when every such row's kept
-    tokens rank within them (then exact: the filters keep prefixes of the sorted order), else the next width,
-    else the full sort."""
-    vocab = scaled.shape[-1]
-    log_z = jax.nn.logsumexp(scaled, axis=-1)
-
-    def full_sort(y: jax.Array) -> jax.Array:
-        filtered = _filter_sorted(y, s)
-        return _inverse_cdf(jnp.exp(filtered - jnp.max(filtered, axis=-1, keepdims=True)), u)
-
-    def attempt(widths: tuple[int, ...]):
-        if not widths or widths[0] >= vocab:
-            return full_sort
-
-        def run(y: jax.Array) -> jax.Array:
-            vals, ids = jax.lax.top_k(y, widths[0])
-            keep, probs = _keep_sorted(vals, log_z, s)
-            pick = _inverse_cdf(jnp.where(keep, probs, 0.0), u)
-            tokens = jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0]
-            covered = jnp.all(~keep[:, -1] | ~rows)  # no filtered row keeps its last candidate
-            return jax.lax.cond(covered, lambda z: tokens, attempt(widths[1:]), y)
-
-        return run
-
-    return attempt(CANDIDATE_WIDTHS)(scaled)
 
 
 def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -185,20 +138,12 @@ def _full_sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.A
     greedy_tokens = argmax(logits)
 
     def sampled(x: jax.Array) -> jax.Array:
-        vocab = x.shape[-1]
         scaled = x / jnp.maximum(s.temperature, 1e-5)[:, None]
+        scaled = jax.lax.cond(s.need_sort, lambda y: _filter_sorted(y, s), lambda y: y, scaled)
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seeds, s.steps)
-        u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # one uniform a row
-        sampling = s.temperature > 1e-5
-        filtered = (s.top_k < vocab) | (s.top_p < 1.0) | (s.min_p > 0.0)
-        # Unfiltered rows: the inverse CDF over the whole softmax (no sort; a uniform a row rather than a Gumbel
-        # per token). Filtered rows: their kept candidates (_sample_filtered). Each part only when some row has it.
-        plain_rows = sampling & ~filtered
-        plain = jax.lax.cond(jnp.any(plain_rows), lambda y: _inverse_cdf(jax.nn.softmax(y, axis=-1), u),
-                             lambda y: greedy_tokens, scaled)
-        kept = jax.lax.cond(s.need_sort & jnp.any(sampling & filtered),
-                            lambda y: _sample_filtered(y, u, sampling & filtered, s), lambda y: plain, scaled)
-        return jnp.where(sampling, jnp.where(filtered, kept, plain), greedy_tokens)
+        # Gumbel-max, as jax.random.categorical does, with the faster argmax.
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(keys)
+        return jnp.where(s.temperature <= 1e-5, greedy_tokens, argmax(scaled + gumbel))
 
     tokens = jax.lax.cond(s.all_greedy, lambda x: greedy_tokens, sampled, logits)
     token_logprobs = jnp.where(s.token_logprobs,
