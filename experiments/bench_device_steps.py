@@ -61,11 +61,10 @@ def random_params(config: ModelConfig, dtype: Any, seed: int = 0) -> Any:
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters one new token multiplies (every layer's projections and the LM head; not the embedding)."""
-    d, hd = config.hidden_size, config.head_dim
-    per_layer = d * (config.num_heads + 2 * config.num_kv_heads) * hd + config.num_heads * hd * d \
-        + 3 * d * config.intermediate_size
-    return config.num_layers * per_layer + d * config.vocab_size
+    """Parameters one new token multiplies: every matrix of ``param_shapes`` but the embedding, which serves a
+    row lookup (a tied model's head multiplies the embedding: counted once)."""
+    matrices = sum(x.size for x in jax.tree.leaves(param_shapes(config)) if len(x.shape) == 2)
+    return matrices - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
 
 
 def time_step(runner: ModelRunner, items: list[ForwardItem], iters: int) -> tuple[float, float]:

@@ -187,16 +187,14 @@ def sharded_load_main(checkpoint: str, out_path: str) -> None:
     config, params = load_model(checkpoint, ml_dtypes.bfloat16, placer)
     peak = status("VmHWM")
     leaves = jax.tree.leaves(params)
-    names = ["embed", "final_norm", "lm_head", *(f"layers.{i}.{k}" for i, layer in enumerate(params["layers"])
-                                                   for k in layer)]
     flat = {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
             **{f"layers.{i}.{k}": v for i, layer in enumerate(params["layers"]) for k, v in layer.items()}}
     Path(out_path).write_text(json.dumps({
         "peak_over_start": peak - start, "largest": largest, "files": len(list(Path(checkpoint).glob("*.safetensors"))),
         "placed": sum(s.data.nbytes for x in leaves for s in x.addressable_shards),
         "dtypes": sorted({str(x.dtype) for x in leaves}),
-        "specs_match": all(flat[n].sharding == jax.sharding.NamedSharding(
-            parallel[0].mesh, parallel[0].spec(n.rsplit(".", 1)[-1], flat[n].shape)) for n in names),
+        "specs_match": all(x.sharding == jax.sharding.NamedSharding(
+            parallel[0].mesh, parallel[0].spec(n.rsplit(".", 1)[-1], x.shape)) for n, x in flat.items()),
         "wq_shards": _shapes(params["layers"][0]["wq"]), "embed_shards": _shapes(params["embed"]),
         "num_layers": config.num_layers}))
 

@@ -124,7 +124,7 @@ class ModelRunner:
         self.tp = TensorParallel.create(config, tp) if tp > 1 else None
         self.forward_config = self.tp.config if self.tp else config
         if self.tp:
-            params = params if params_placed else self.tp.shard_params(params, config)
+            params = params if params_placed else self.tp.shard_params(params)
             kv_sharding = self.tp.kv_sharding
         self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding, self.kv_dtype)
         # "packed"/"gguf": the CPU kernels' weights; weight_blocks (load_gguf_blocks) serve "gguf" only.

@@ -192,13 +192,13 @@ class TensorParallel:
     def place(self, name: str, w: np.ndarray) -> jax.Array:
         """Pad one host leaf (a padded copy where the layout pads it) and give each device its slice of it: no
         device ever holds the whole tensor, and the host one tensor at a time (the loader calls this per tensor)."""
-        w = self.pad_tensor(name.rsplit(".", 1)[-1], w)
-        sharding = NamedSharding(self.mesh, self.spec(name.rsplit(".", 1)[-1], w.shape))
+        leaf = name.rsplit(".", 1)[-1]  # "layers.3.wq" -> "wq"
+        w = self.pad_tensor(leaf, w)
+        sharding = NamedSharding(self.mesh, self.spec(leaf, w.shape))
         return jax.make_array_from_callback(w.shape, sharding, lambda index: w[index])
 
-    def shard_params(self, params: Params, original: ModelConfig) -> Params:
+    def shard_params(self, params: Params) -> Params:
         """Pad on the host and place each leaf with its NamedSharding (each device gets only its slice)."""
-        del original
         return {**{k: self.place(k, v) for k, v in params.items() if k != "layers"},
                 "layers": [{k: self.place(k, v) for k, v in layer.items()} for layer in params["layers"]]}
 
