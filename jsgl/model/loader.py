@@ -398,28 +398,25 @@ def _load_hf(path: Path, config: ModelConfig, put: Put) -> Params:
     raw: dict[str, StoredTensor] = {}
     for f in files:
         raw.update(read_safetensors(f))
-    used: set[str] = set()
 
     def get(ours: str, name: str, transpose: bool = False) -> Any:
-        used.add(name)
         x = raw[name].read()
         dtype = x.dtype if x.dtype in (np.float16, ml_dtypes.bfloat16) else np.float32
         # One new array, transposed and cast at once: with the buffer read, two copies of the tensor at most.
         x = np.asarray(x.T if transpose and x.ndim == 2 else x, dtype=dtype, order="C")
         return put(ours, x)
 
-    if config.tie_word_embeddings:
-        used.add(_GLOBAL_TENSORS["lm_head"][1])  # a tied checkpoint may still store it: the embedding is used
-    elif _GLOBAL_TENSORS["lm_head"][1] not in raw:
+    if not config.tie_word_embeddings and _GLOBAL_TENSORS["lm_head"][1] not in raw:
         refuse("tie_word_embeddings", False, "the checkpoint has no lm_head.weight (transformers would "
                "initialise it randomly)")
     names = [[ours for ours, (_, h) in _LAYER_TENSORS.items() if f"model.layers.{i}.{h}" in raw]
              for i in range(config.num_layers)]
     for i, layer_names in enumerate(names):  # the whole checkpoint checked before any tensor is read
         _check_layer(dict.fromkeys(layer_names), config, i)
-    leftover = sorted(n for n in raw.keys() - used - {f"model.layers.{i}.{_LAYER_TENSORS[o][1]}"
-                                                       for i, layer_names in enumerate(names) for o in layer_names}
-                      - {h for _, h in _GLOBAL_TENSORS.values()} if not n.endswith(_IGNORED_HF_SUFFIXES))
+    # What the forward reads (a tied checkpoint's stored lm_head too: the embedding serves as the head).
+    known = {h for _, h in _GLOBAL_TENSORS.values()} | {f"model.layers.{i}.{_LAYER_TENSORS[o][1]}"
+                                                        for i, layer_names in enumerate(names) for o in layer_names}
+    leftover = sorted(n for n in raw.keys() - known if not n.endswith(_IGNORED_HF_SUFFIXES))
     if leftover:
         refuse("tensor", leftover[0], f"jsgl's {config.architecture} forward would not use it "
                f"({len(leftover)} such tensors)")
