@@ -163,6 +163,47 @@ def test_filters_on_shuffled_logits_follow_the_numpy_distribution(shuffled_logit
             raise AssertionError(f"{name}: {exc}") from None
 
 
+CANDIDATE_CASES = {  # name: (temperature, top_k, top_p, min_p) over a 1024-token vocabulary
+    "top_k=3": (1.0, 3, 1.0, 0.0),
+    "top_k=6": (1.0, 6, 1.0, 0.0),
+    "top_p+temperature": (1.7, 1024, 0.75, 0.0),
+    "min_p+temperature": (2.0, 1024, 1.0, 0.01),  # keeps all ten
+    "all+temperature": (1.4, 6, 0.9, 0.12),
+    "no filter": (1.0, 1024, 1.0, 0.0),  # in a batch with filtered rows: the full-vocabulary draw
+}
+
+
+@pytest.mark.parametrize("widths", [None, (4, 8)], ids=["default widths", "forced fallbacks"])
+def test_candidate_sets_and_their_fallbacks_follow_the_numpy_distribution(shuffled_logits, widths, monkeypatch):
+    """The ten tokens scattered over 1024 (the rest near -inf). With the default widths every filtered row is
+    sampled from its top-256 candidates, in one batch beside an unfiltered row; with widths (4, 8) each case,
+    alone in its batch, goes to the first set holding all its kept tokens: 4, 8, or the full sort."""
+    from jsgl.engine import sampler as sampler_module
+
+    vocab = 1024
+    logits = np.full(vocab, -1e4, np.float32)
+    positions = np.random.default_rng(4).choice(vocab, len(shuffled_logits), replace=False)
+    logits[positions] = shuffled_logits
+    targets = {name: reference_distribution(logits.astype(np.float64), *case)
+               for name, case in CANDIDATE_CASES.items()}
+    n = 5000
+    if widths is None:
+        batches = {tuple(CANDIDATE_CASES): list(CANDIDATE_CASES.values())}
+    else:
+        monkeypatch.setattr(sampler_module, "CANDIDATE_WIDTHS", widths)
+        batches = {(name,): [case] for name, case in CANDIDATE_CASES.items() if name != "no filter"}
+        sets_used = {sum(int((targets[name] > 0).sum()) >= w for w in widths) for (name,) in batches}
+        assert sets_used == {0, 1, 2}  # each fallback is exercised
+    for names, cases in batches.items():
+        # A fresh function: jit caches a trace per function, and the widths are read when tracing.
+        draws = sample_filtered(logits, cases, n, sampler=lambda x, s: sample(x, s))
+        for name, tokens in zip(names, draws, strict=True):
+            try:
+                assert_follows(tokens, targets[name])
+            except AssertionError as exc:
+                raise AssertionError(f"{name}, widths {widths}: {exc}") from None
+
+
 # ------------------------------------------------------------- masks, bias, repetition penalty, logprobs
 
 

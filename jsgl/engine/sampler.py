@@ -75,22 +75,59 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, x.shape[-1] - 1)  # a row with a NaN: nothing equals its NaN maximum
 
 
-def _filter_sorted(logits: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Apply top-k, top-p and min-p in sorted order; returns logits with filtered entries at -inf."""
-    vocab = logits.shape[-1]
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
+# Widths of the candidate sets tried before a full sort of the vocabulary. A filtered row is sampled exactly
+# from its top-W candidates when the filter drops the last of them: top-k, top-p and min-p each keep a prefix
+# of the sorted order, so nothing past the candidates survives either. On XLA CPU at batch 16 over 49k tokens
+# lax.top_k takes 2.5 ms at 256 and 22 ms at 4096, a full argsort ~170 ms (the old sampler sorted twice:
+# ~520 ms a step in the engine, 80% of tree-of-thought's time).
+CANDIDATE_WIDTHS = (256, 4096)
+
+
+def _keep_sorted(sorted_logits: jax.Array, log_normalizer: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Which of the (descending) logits the filters keep: rank < top_k, preceding mass < top_p, p >= min_p *
+    p_max, the most likely token always. ``sorted_logits`` may be a prefix of the order (the candidates):
+    probabilities use the whole row's normalizer."""
+    probs = jnp.exp(sorted_logits - log_normalizer[:, None])
+    rank = jnp.arange(sorted_logits.shape[-1])[None, :]
     keep = rank < s.top_k[:, None]
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= mass_before < s.top_p[:, None]
+    keep &= jnp.cumsum(probs, axis=-1) - probs < s.top_p[:, None]
     keep &= probs >= s.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    filtered_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
-    # Scatter back to vocabulary order.
-    inverse = jnp.argsort(order, axis=-1)
-    return jnp.take_along_axis(filtered_sorted, inverse, axis=-1)
+    keep &= sorted_logits > -jnp.inf  # masked tokens: a row with fewer allowed tokens than candidates is complete
+    return keep.at[:, 0].set(True)
+
+
+def _sample_full_sort(scaled: jax.Array, keys: jax.Array, s: SamplingInputs) -> jax.Array:
+    """Filter in sorted order over the whole vocabulary, then Gumbel-max over what is kept."""
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    keep = _keep_sorted(sorted_logits, jax.nn.logsumexp(scaled, axis=-1), s)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(keys)
+    choice = argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def _sample_filtered(scaled: jax.Array, keys: jax.Array, s: SamplingInputs, filtered: jax.Array) -> jax.Array:
+    """Sample the ``filtered`` rows from the narrowest candidate set that holds every token their filters keep
+    (Gumbel-max over the kept candidates: exact, and free of the rounding a cumulative-sum draw would carry
+    across step shapes), falling back to wider sets and then to the full sort."""
+    log_normalizer = jax.nn.logsumexp(scaled, axis=-1)
+    widths = [w for w in CANDIDATE_WIDTHS if w < scaled.shape[-1]]
+
+    def attempt(level: int, x: jax.Array) -> jax.Array:
+        if level == len(widths):
+            return _sample_full_sort(x, keys, s)
+        values, ids = jax.lax.top_k(x, widths[level])
+        keep = _keep_sorted(values, log_normalizer, s)
+        complete = jnp.all(~filtered | ~keep[:, -1])
+
+        def from_candidates(_: jax.Array) -> jax.Array:
+            gumbel = jax.vmap(lambda key: jax.random.gumbel(key, values.shape[-1:], values.dtype))(keys)
+            choice = argmax(jnp.where(keep, values + gumbel, -jnp.inf))
+            return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+
+        return jax.lax.cond(complete, from_candidates, functools.partial(attempt, level + 1), x)
+
+    return attempt(0, scaled)
 
 
 def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -139,11 +176,21 @@ def _full_sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.A
 
     def sampled(x: jax.Array) -> jax.Array:
         scaled = x / jnp.maximum(s.temperature, 1e-5)[:, None]
-        scaled = jax.lax.cond(s.need_sort, lambda y: _filter_sorted(y, s), lambda y: y, scaled)
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seeds, s.steps)
-        # Gumbel-max, as jax.random.categorical does, with the faster argmax.
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(keys)
-        return jnp.where(s.temperature <= 1e-5, greedy_tokens, argmax(scaled + gumbel))
+        sampling = s.temperature > 1e-5
+        filtered = sampling & ((s.top_k < x.shape[-1]) | (s.top_p < 1.0) | (s.min_p > 0.0)) & s.need_sort
+
+        def unfiltered(y: jax.Array) -> jax.Array:  # Gumbel-max, as jax.random.categorical, with the faster argmax
+            gumbel = jax.vmap(lambda key: jax.random.gumbel(key, y.shape[-1:], y.dtype))(keys)
+            return argmax(y + gumbel)
+
+        def zeros(y: jax.Array) -> jax.Array:
+            return jnp.zeros(y.shape[0], jnp.int32)
+
+        # Each kind of row pays only when present: the full-vocabulary noise is ~8 ms at batch 16 here.
+        plain = jax.lax.cond(jnp.any(sampling & ~filtered), unfiltered, zeros, scaled)
+        chosen = jax.lax.cond(jnp.any(filtered), lambda y: _sample_filtered(y, keys, s, filtered), zeros, scaled)
+        return jnp.where(sampling, jnp.where(filtered, chosen, plain), greedy_tokens)
 
     tokens = jax.lax.cond(s.all_greedy, lambda x: greedy_tokens, sampled, logits)
     token_logprobs = jnp.where(s.token_logprobs,
