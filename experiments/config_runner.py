@@ -31,7 +31,7 @@ import dataclasses
 import datetime
 import json
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -134,13 +134,14 @@ def _reusable(prior: dict[str, Any] | None, entry: dict[str, Any]) -> dict[str, 
 
 def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = None, programs: int | None = None,
                max_workloads: int | None = None, resume: dict[str, Any] | None = None,
-               checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+               checkpoint: Callable[[dict[str, Any]], None] | None = None,
+               redo: Collection[str] = ()) -> dict[str, Any]:
     """Every run of the grid over the config's workloads (`quick`: its `quick_workloads` and each workload's
     small batch; `programs`, `max_workloads`: smaller still, for smoke tests).
 
     `resume`: an earlier (possibly interrupted) result of this config; its finished workloads are kept and
-    only the rest run. `checkpoint` is called with the results so far after every workload, so a run of
-    hours can be stopped and resumed."""
+    only the rest run, and the workloads named in `redo` (measured again after a fix). `checkpoint` is called
+    with the results so far after every workload, so a run of hours can be stopped and resumed."""
     import jsgl.lang as sgl
 
     model = model or cfg["model"]
@@ -171,7 +172,7 @@ def run_config(cfg: dict[str, Any], quick: bool = False, model: str | None = Non
             label, frontend = run["label"], run.get("frontend", {})
             entry = {"label": label, "system": run.get("system", "jsgl"), "engine": run["engine_options"],
                      "frontend": frontend, "results": []}
-            done = _reusable(prior_runs.get(label), entry)
+            done = {w: res for w, res in _reusable(prior_runs.get(label), entry).items() if w not in redo}
             if done:
                 entry["version"] = prior_runs[label].get("version")
             todo = [w for w in workloads if w not in done]

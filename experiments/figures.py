@@ -5,6 +5,7 @@
     jsgl figures --only fig8c --out docs/figures/   # one figure again; results.md keeps the others' results
     jsgl figures --replot --out docs/figures/  # redraw from the saved JSON, running nothing
     jsgl figures --only fig5 --resume --out docs/figures/   # go on where a stopped run left off
+    jsgl figures --only fig5 --resume --redo tree_of_thought --out docs/figures/   # one workload again, after a fix
 
 The figures come from the ablation configs in experiments/configs/ (each also runs alone with
 `jsgl bench --config FILE`): Figs. 5/6/13 from fig5_end_to_end.toml, Fig. 8(a)(b) from
@@ -26,6 +27,7 @@ from typing import Any
 from jsgl.experiments import micro_benchmarks, plots
 from jsgl.experiments.bench_workloads import describe_machine
 from jsgl.experiments.config_runner import load_config, run_config
+from jsgl.experiments.workloads import workload_names
 
 CONFIGS = {"fig5": "fig5_end_to_end.toml", "fig8ab": "fig8ab_hit_rate.toml", "fig8c": "fig8c_ablations.toml"}
 FIGURES = (*CONFIGS, "micro")  # micro: the §3/§4/§5 tables (micro_benchmarks.py)
@@ -173,11 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="keep the workloads an earlier run in --out finished (results are saved after each one) "
                          "and run only the rest")
+    ap.add_argument("--redo", default="",
+                    help="with --resume: comma list of workloads to measure again in every run (after a fix)")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.only.split(",") if n.strip()] or list(FIGURES)
     unknown = set(names) - set(FIGURES)
     if unknown:
         ap.error(f"unknown figures {sorted(unknown)}; choose from {', '.join(FIGURES)}")
+    redo = {w.strip() for w in args.redo.split(",") if w.strip()}
+    if redo and not args.resume:
+        ap.error("--redo goes with --resume")
+    if redo - set(workload_names()):
+        ap.error(f"unknown workloads {sorted(redo - set(workload_names()))}; choose from {', '.join(workload_names())}")
     args.out.mkdir(parents=True, exist_ok=True)
     command = "jsgl figures " + shlex.join(sys.argv[2:] if argv is None else argv)
     model = args.model or "smollm2-135m"
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(CONFIGS[name])
             print(f"== {cfg['title']}", flush=True)
             result = run_config(cfg, quick=args.quick, model=args.model, programs=args.programs,
-                                max_workloads=args.max_workloads, resume=saved, checkpoint=checkpoint)
+                                max_workloads=args.max_workloads, resume=saved, checkpoint=checkpoint, redo=redo)
         checkpoint(result)
     # Every figure saved in --out, this run's and earlier ones' (results.md says which ran when).
     saved = {name: json.loads((args.out / f"{name}.json").read_text()) for name in FIGURES

@@ -193,6 +193,10 @@ def test_an_interrupted_grid_resumes_where_it_stopped(tmp_path, capsys):
     assert all(r["commit"] and r["date"] and not r["errors"] for r in run["results"])
     with pytest.raises(ConfigError, match="cannot resume"):
         run_config(load_config(path), quick=False, programs=1, resume=partial)
+    again = run_config(load_config(path), quick=True, programs=1, resume=out, redo={"json"})  # after a fix
+    assert "MMLU" not in (printed := capsys.readouterr().out) and "JSON decoding" in printed, printed
+    assert again["runs"][0]["results"][0] == run["results"][0] and again["runs"][0]["results"][1] is not \
+        run["results"][1]
 
 
 # ------------------------------------------------------------------ transformers runs the programs
