@@ -188,7 +188,7 @@ class Transformers(System):
         import torch
         import transformers
 
-        return f"transformers {transformers.__version__}, torch {torch.__version__}"
+        return f"{transformers.__version__}, torch {torch.__version__}"  # after the system's name
 
     @contextlib.contextmanager
     def start(self, model: str) -> Iterator[Target]:
