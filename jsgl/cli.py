@@ -20,6 +20,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": ["off", "common", "all"],
+        "weights_cache": ["auto", "orbax", "off"],
         "dtype": ["auto", "bfloat16", "float16", "float32"],
         "kv_dtype": ["auto", "bfloat16", "float16", "float32", "int8"],  # memory.KV_DTYPES
     }

@@ -68,7 +68,9 @@ def test_converted_weights_are_cached(tmp_path, monkeypatch):
 
     path = resolve_model_path("smollm2-135m")
     cfg, params = load_model("smollm2-135m")  # the session already converted it once
-    assert (model_cache_dir(path) / "params.v2.safetensors").exists()
+    converted = model_cache_dir(path) / "params-float32-tp1"  # an orbax checkpoint (jsgl.model.checkpoint)
+    assert (converted / "config.json").exists() and (converted / "tree" / "_METADATA").exists()
+    assert not (model_cache_dir(path) / "params.v2.safetensors").exists()  # the hand-made cache before it
     assert cfg.num_layers == 30 and cfg.num_heads == 9 and cfg.num_kv_heads == 3 and cfg.vocab_size == 49152
     assert len(params["layers"]) == 30 and "lm_head" not in params  # tied
     assert params["layers"][0]["wq"].shape == (576, 576) and params["layers"][0]["attn_norm"].shape == (576,)

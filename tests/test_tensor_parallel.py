@@ -160,13 +160,17 @@ def child_main(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def sharded_load_main(checkpoint: str, out_path: str) -> None:
-    """Load a bfloat16 HF checkpoint at tp=4 tensor by tensor onto the forced devices; report the host's peak
-    memory over what the placed shards themselves take (on CPU devices, device buffers are host memory)."""
+def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
+    """Load a bfloat16 HF checkpoint at tp=4 onto the forced devices, tensor by tensor (``mode`` "load", then
+    saving the placed params as an orbax checkpoint) or restoring that checkpoint ("restore"); report the host's
+    peak memory over what the placed shards themselves take (on CPU devices, device buffers are host memory)."""
     import jax
     import ml_dtypes
+    import numpy as np
 
-    from jsgl.model.loader import load_model, read_safetensors
+    from jsgl.model import checkpoint as orbax_checkpoint
+    from jsgl.model.loader import load_model, load_placed, read_safetensors
+    from jsgl.model.registry import model_cache_dir
     from jsgl.model.sharding import TensorParallel
 
     def status(field: str) -> int:
@@ -176,6 +180,8 @@ def sharded_load_main(checkpoint: str, out_path: str) -> None:
     # VmHWM, not getrusage's ru_maxrss: a child started by a big process inherits the parent's ru_maxrss.
 
     jax.device_put(1.0)  # the backend up before the baseline
+    import orbax.checkpoint  # noqa: F401  (its import, ~100 MB of modules, is not the load's memory)
+
     largest = max(t.nbytes for f in Path(checkpoint).glob("*.safetensors") for t in read_safetensors(f).values())
     start = status("VmRSS")
     parallel: list[TensorParallel] = []
@@ -184,19 +190,34 @@ def sharded_load_main(checkpoint: str, out_path: str) -> None:
         parallel.append(TensorParallel.create(config, NUM_DEVICES))
         return parallel[0].place
 
-    config, params = load_model(checkpoint, ml_dtypes.bfloat16, placer)
+    def sharding(config):
+        placer(config)
+        return lambda name, shape: jax.sharding.NamedSharding(parallel[0].mesh, parallel[0].spec(name, shape))
+
+    saved = orbax_checkpoint.checkpoint_path(model_cache_dir(Path(checkpoint)), ml_dtypes.bfloat16, NUM_DEVICES)
+    if mode == "load":
+        config, params = load_model(checkpoint, ml_dtypes.bfloat16, placer)
+    else:
+        assert orbax_checkpoint.exists(saved)
+        config, params = load_placed(checkpoint, ml_dtypes.bfloat16, NUM_DEVICES, placer, sharding, "orbax")
     peak = status("VmHWM")
     leaves = jax.tree.leaves(params)
     flat = {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
             **{f"layers.{i}.{k}": v for i, layer in enumerate(params["layers"]) for k, v in layer.items()}}
-    Path(out_path).write_text(json.dumps({
+    result = {
         "peak_over_start": peak - start, "largest": largest, "files": len(list(Path(checkpoint).glob("*.safetensors"))),
         "placed": sum(s.data.nbytes for x in leaves for s in x.addressable_shards),
         "dtypes": sorted({str(x.dtype) for x in leaves}),
         "specs_match": all(x.sharding == jax.sharding.NamedSharding(
             parallel[0].mesh, parallel[0].spec(n.rsplit(".", 1)[-1], x.shape)) for n, x in flat.items()),
         "wq_shards": _shapes(params["layers"][0]["wq"]), "embed_shards": _shapes(params["embed"]),
-        "num_layers": config.num_layers}))
+        "num_layers": config.num_layers,
+        "sums": {n: float(np.asarray(x, np.float64).sum()) for n, x in flat.items() if n.startswith("layers.0.")
+                 or n in ("embed", "lm_head")}}
+    if mode == "load":
+        hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
+        orbax_checkpoint.save(saved, params, hf_config)
+    Path(out_path).write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -281,7 +302,8 @@ if __name__ != "__main__":
     def test_sharded_checkpoint_loads_tensor_by_tensor_onto_its_shards(tmp_path: Path) -> None:
         """A 4-file bfloat16 checkpoint (~200 MB) at tp=4: every param lands as its NamedSharding's shards, in
         bfloat16, and the host's peak memory beyond the placed shards stays under twice the largest tensor plus
-        64 MB (loading the whole model first, as before, needed ~200 MB more)."""
+        64 MB (loading the whole model first, as before, needed ~200 MB more). The same for a restart from the
+        orbax checkpoint of the placed params, which restores the same values onto the same shards."""
         import torch
         import transformers as tf
 
@@ -289,18 +311,21 @@ if __name__ != "__main__":
         config = tf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=2048, num_hidden_layers=24,
                                 num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
         tf.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="60MB")
-        out = tmp_path / "result.json"
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JSGL_CACHE_DIR=str(tmp_path / "cache"),
                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
                              f"--xla_force_host_platform_device_count={NUM_DEVICES}".strip())
-        proc = subprocess.run([sys.executable, __file__, "--sharded-load", str(tmp_path), str(out)], env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        r = json.loads(out.read_text())
-        assert r["files"] >= 4 and r["num_layers"] == 24 and r["dtypes"] == ["bfloat16"]
-        assert r["specs_match"]
-        assert r["wq_shards"] == [[512, 128]] * 4 and r["embed_shards"] == [[2048, 512]] * 4
-        assert r["peak_over_start"] - r["placed"] < 2 * r["largest"] + (64 << 20), r["peak_over_start"]
+        results = {}
+        for mode in ("load", "restore"):  # tensor by tensor (then saved with orbax); restored from orbax
+            out = tmp_path / f"{mode}.json"
+            proc = subprocess.run([sys.executable, __file__, "--sharded-load", str(tmp_path), str(out), mode],
+                                  env=env, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            results[mode] = r = json.loads(out.read_text())
+            assert r["files"] >= 4 and r["num_layers"] == 24 and r["dtypes"] == ["bfloat16"]
+            assert r["specs_match"], mode
+            assert r["wq_shards"] == [[512, 128]] * 4 and r["embed_shards"] == [[2048, 512]] * 4
+            assert r["peak_over_start"] - r["placed"] < 2 * r["largest"] + (64 << 20), (mode, r["peak_over_start"])
+        assert results["restore"]["sums"] == results["load"]["sums"]  # the same values on the same shards
 
 
 if __name__ == "__main__":
@@ -311,6 +336,6 @@ if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if sys.argv[1] == "--sharded-load":
-        sharded_load_main(sys.argv[2], sys.argv[3])
+        sharded_load_main(*sys.argv[2:5])
     else:
         child_main(sys.argv[1])

@@ -40,6 +40,9 @@ class EngineConfig:
     precompile: str = "off"
     seed: int = 0  # seeds requests that do not bring their own
     tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)
+    # The params as placed (dtype, tp padding and shards), saved as an orbax checkpoint and restored onto the
+    # devices on the next start: auto (GGUF models: their converted weights) | orbax (also HF folders) | off.
+    weights_cache: str = "auto"
     # Per-request limits (one request must not slow or break the others; cf. vLLM's --max-logprobs).
     max_top_logprobs: int = 20  # top_logprobs_num; each costs a [tokens, k] top-k and k triples per token
     max_stop_sequences: int = 32  # stop strings are scanned on every token of the request
@@ -51,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"grammar_backend must be jsgl or llguidance, not {self.grammar_backend!r}")
         if self.precompile not in ("off", "common", "all"):
             raise ValueError(f"precompile must be off, common or all, not {self.precompile!r}")
+        if self.weights_cache not in ("auto", "orbax", "off"):
+            raise ValueError(f"weights_cache must be auto, orbax or off, not {self.weights_cache!r}")
         if self.prefix_cache not in ("radix", "flat", "none"):
             raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
         if not 0.0 <= self.cache_match_fraction <= 1.0:

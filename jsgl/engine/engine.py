@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.config import EngineConfig
@@ -41,7 +42,7 @@ from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
-from jsgl.model.loader import load_gguf_blocks, load_model
+from jsgl.model.loader import load_gguf_blocks, load_placed
 from jsgl.model.sharding import TensorParallel
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
 from jsgl.radix.cache_base import PrefixCacheBase
@@ -67,7 +68,9 @@ class Engine:
         self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
         # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it: the host
         # never holds the whole model.
-        self.model_config, params = load_model(cfg.model, self.dtype, self._placer)
+        self.model_config, params = load_placed(cfg.model, self.dtype, cfg.tp, self._placer, self._sharding,
+                                                cfg.weights_cache)
+        load_s = time.perf_counter() - started
         self.tokenizer = load_tokenizer(cfg.model)
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
         self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
@@ -128,7 +131,7 @@ class Engine:
         self._reset_hit_rate_window()
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
-        self.startup_s = {"precompile": self._precompile(), "total": time.perf_counter() - started}
+        self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
         self._thread.start()
 
@@ -151,6 +154,15 @@ class Engine:
         if self.config.tp > 1:
             return TensorParallel.create(config, self.config.tp).place
         return lambda name, x: jnp.asarray(x)
+
+    def _sharding(self, config: Any) -> Any:
+        """Where each restored checkpoint array goes (what ``_placer`` gives a loaded one): (leaf name, shape)
+        -> its sharding."""
+        if self.config.tp > 1:
+            tp = TensorParallel.create(config, self.config.tp)
+            return lambda name, shape: NamedSharding(tp.mesh, tp.spec(name, shape))
+        device = SingleDeviceSharding(jax.devices()[0])
+        return lambda name, shape: device
 
     # --------------------------------------------------------------------------- extension points
     def _make_prefix_cache(self) -> PrefixCacheBase:
@@ -280,6 +292,7 @@ class Engine:
             "device_bytes": self.memory_plan.device_bytes, "device_free_bytes": self.memory_plan.free_bytes,
             "startup_s": self.startup_s["total"],
             "precompile_s": self.startup_s["precompile"],
+            "load_s": self.startup_s["load"],  # weights: loaded, or restored from their orbax checkpoint
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
             "mean_batch_size": s.batched_requests / s.steps if s.steps else 0.0,
             "decode_time_s": self.step_time["decode"], "extend_time_s": self.step_time["extend"],

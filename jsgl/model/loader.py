@@ -1,7 +1,8 @@
 """Load weights into one params pytree, tensor by tensor: from GGUF (dequantized) or HF safetensors folders.
 
-Converted weights are cached as safetensors beside the saved tokenizer, so the second start skips
-dequantization.
+A GGUF's converted weights are cached as an orbax checkpoint (``jsgl.model.checkpoint``) beside the saved
+tokenizer, so the second start skips dequantization; ``load_placed`` also keeps the params as an engine holds
+them (cast, padded and sharded) and restores them onto their devices.
 
 The params pytree (matrices stored [in, out] so the model computes ``x @ w``; one dict per layer,
 not stacked: XLA CPU copies a layer's slice out of a stacked array before its matmul, which halved
@@ -30,6 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jsgl.kernels.quant import QuantBlocks
+from jsgl.model import checkpoint
 from jsgl.model.config import ModelConfig, UnsupportedModelError, refuse
 from jsgl.model.registry import model_cache_dir, resolve_model_path
 
@@ -60,6 +62,7 @@ _GLOBAL_TENSORS = {
 }
 
 
+WEIGHTS_CACHES = ("auto", "orbax", "off")
 Put = Callable[[str, np.ndarray], Any]  # (key: "embed", "layers.3.wq", ...; the tensor) -> what the params hold
 
 
@@ -77,22 +80,45 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         return config, _load_hf(path, config, _putter(config, dtype, placer))
     cache = model_cache_dir(path)
-    config_file, weights_file = cache / "config.json", cache / "params.v2.safetensors"
-    (cache / "params.safetensors").unlink(missing_ok=True)  # v1: layers stacked
-    if config_file.exists() and weights_file.exists():
-        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
-        put = _putter(config, dtype, placer)
-        return config, _unflatten({name: put(name, t.read()) for name, t in read_safetensors(weights_file).items()})
-    hf_config, params = _load_gguf(path)
+    for stale in ("params.safetensors", "params.v2.safetensors", "config.json"):  # the hand-made cache before orbax
+        (cache / stale).unlink(missing_ok=True)
+    converted = checkpoint.checkpoint_path(cache, np.float32, 1)
+    if checkpoint.exists(converted):
+        hf_config, params = checkpoint.restore(converted)
+    else:
+        hf_config, params = _load_gguf(path)
+        checkpoint.save(converted, params, hf_config)
     config = ModelConfig.from_hf(hf_config)
-    tmp = weights_file.with_suffix(".tmp")
     flat = _flatten(params)
     del params
-    save_file(flat, tmp)
-    os.replace(tmp, weights_file)
-    config_file.write_text(json.dumps(hf_config))
     put = _putter(config, dtype, placer)
     return config, _unflatten({name: put(name, flat.pop(name)) for name in list(flat)})
+
+
+def load_placed(model: str | os.PathLike, dtype: Any, tp: int, placer: Callable[[ModelConfig], Put],
+                sharding: Callable[[ModelConfig], checkpoint.ShardingOf],
+                cache: str = "auto") -> tuple[ModelConfig, Params]:
+    """``load_model``'s params as the engine holds them (``placer``), through an orbax checkpoint of them per
+    (model, dtype, tp): restored onto ``sharding(config)`` when it exists, saved after loading when not.
+
+    ``cache``: "orbax" always; "off" never; "auto" for GGUF models only (an HF folder's safetensors are
+    already a checkpoint read tensor by tensor: a second copy of an 8B model would cost 16 GB of disk)."""
+    if cache not in WEIGHTS_CACHES:
+        raise ValueError(f"weights cache must be one of {', '.join(WEIGHTS_CACHES)}, not {cache!r}")
+    path = resolve_model_path(model)
+    if cache == "off" or (cache == "auto" and path.is_dir()):
+        return load_model(model, dtype, placer)
+    saved = checkpoint.checkpoint_path(model_cache_dir(path), dtype, tp)
+    if checkpoint.exists(saved):
+        hf_config = json.loads((saved / "config.json").read_text())
+        config = ModelConfig.from_hf(hf_config)  # refuses what this version of jsgl cannot run
+        return config, checkpoint.restore(saved, sharding(config))[1]
+    config, params = load_model(model, dtype, placer)
+    if not checkpoint.exists(saved):  # (a GGUF's float32 tp=1 params are its converted cache: saved already)
+        config_file = path / "config.json" if path.is_dir() else \
+            checkpoint.checkpoint_path(model_cache_dir(path), np.float32, 1) / "config.json"
+        checkpoint.save(saved, params, json.loads(config_file.read_text()))
+    return config, params
 
 
 def _putter(config: ModelConfig, dtype: Any, placer: Callable[[ModelConfig], Put] | None) -> Put:

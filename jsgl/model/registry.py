@@ -48,9 +48,11 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 
 def model_cache_dir(path: Path) -> Path:
-    """A per-model folder for converted weights and the saved tokenizer, keyed by file identity."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    """A per-model folder for converted weights and the saved tokenizer, keyed by file identity (an HF folder's:
+    its config's and weight files', not the folder's own, which any file written beside them would change)."""
+    files = [path] if path.is_file() else sorted([path / "config.json", *path.glob("*.safetensors")])
+    identity = ";".join(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}" for f in files for st in [f.stat()])
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     out = cache_dir() / "models" / f"{path.stem}-{key}"
     out.mkdir(parents=True, exist_ok=True)
     return out
