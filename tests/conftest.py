@@ -12,16 +12,18 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# What jsgl builds from its own code (FSM indexes, the CPU kernels): built afresh in each test session.
-PER_SESSION_CACHES = frozenset({"fsm", "kernels"})
+# What jsgl builds from its own code (FSM indexes, the CPU kernels, params checkpoints padded and cast for an
+# engine): built afresh in each test session.
+PER_SESSION_CACHES = frozenset({"fsm", "kernels", "checkpoints"})
 
 
 def _session_cache_dir() -> tuple[Path, Path]:
-    """A per-session JSGL_CACHE_DIR (inherited by the servers and commands tests start), so FSM indexes and
-    CPU kernels are built by the code under test, never loaded from what older code left behind. Everything
-    else stays shared with the user's cache, linked in: the converted model weights (models/: 0.5 GB, ~7 s to
-    convert, keyed by the GGUF file's identity), XLA's compilation cache (jax/, keyed by the program) and
-    third-party installs (the sglang client); what a session adds there moves to the shared cache at the end."""
+    """A per-session JSGL_CACHE_DIR (inherited by the servers and commands tests start), so FSM indexes, CPU
+    kernels and engines' params checkpoints are built by the code under test, never loaded from what older code
+    left behind. Everything else stays shared with the user's cache, linked in: the converted model weights
+    (models/: a 0.5 GB orbax checkpoint, ~7 s to convert, keyed by the GGUF file's identity and
+    jsgl.model.checkpoint.FORMAT), XLA's compilation cache (jax/, keyed by the program) and third-party
+    installs (the sglang client); what a session adds there moves to the shared cache at the end."""
     shared = Path(os.environ.get("JSGL_CACHE_DIR") or Path.home() / ".cache" / "jsgl")
     (shared / "models").mkdir(parents=True, exist_ok=True)
     session = Path(tempfile.mkdtemp(prefix="jsgl-test-cache-"))

@@ -68,7 +68,7 @@ def test_converted_weights_are_cached(tmp_path, monkeypatch):
 
     path = resolve_model_path("smollm2-135m")
     cfg, params = load_model("smollm2-135m")  # the session already converted it once
-    converted = model_cache_dir(path) / "params-float32-tp1"  # an orbax checkpoint (jsgl.model.checkpoint)
+    converted = model_cache_dir(path) / "params-v1-float32-tp1"  # an orbax checkpoint (jsgl.model.checkpoint)
     assert (converted / "config.json").exists() and (converted / "tree" / "_METADATA").exists()
     assert not (model_cache_dir(path) / "params.v2.safetensors").exists()  # the hand-made cache before it
     assert cfg.num_layers == 30 and cfg.num_heads == 9 and cfg.num_kv_heads == 3 and cfg.vocab_size == 49152

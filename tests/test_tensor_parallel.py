@@ -162,15 +162,15 @@ def child_main(out_path: str) -> None:
 
 def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
     """Load a bfloat16 HF checkpoint at tp=4 onto the forced devices, tensor by tensor (``mode`` "load", then
-    saving the placed params as an orbax checkpoint) or restoring that checkpoint ("restore"); report the host's
+    through ``load_placed``, which saves the params as placed in an orbax checkpoint) or from that checkpoint
+    ("restore"); report the host's
     peak memory over what the placed shards themselves take (on CPU devices, device buffers are host memory)."""
     import jax
     import ml_dtypes
     import numpy as np
 
     from jsgl.model import checkpoint as orbax_checkpoint
-    from jsgl.model.loader import load_model, load_placed, read_safetensors
-    from jsgl.model.registry import model_cache_dir
+    from jsgl.model.loader import load_model, load_placed, placed_checkpoint_path, read_safetensors
     from jsgl.model.sharding import TensorParallel
 
     def status(field: str) -> int:
@@ -194,7 +194,7 @@ def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
         placer(config)
         return lambda name, shape: jax.sharding.NamedSharding(parallel[0].mesh, parallel[0].spec(name, shape))
 
-    saved = orbax_checkpoint.checkpoint_path(model_cache_dir(Path(checkpoint)), ml_dtypes.bfloat16, NUM_DEVICES)
+    saved = placed_checkpoint_path(checkpoint, ml_dtypes.bfloat16, NUM_DEVICES)
     if mode == "load":
         config, params = load_model(checkpoint, ml_dtypes.bfloat16, placer)
     else:
@@ -212,11 +212,11 @@ def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
             parallel[0].mesh, parallel[0].spec(n.rsplit(".", 1)[-1], x.shape)) for n, x in flat.items()),
         "wq_shards": _shapes(params["layers"][0]["wq"]), "embed_shards": _shapes(params["embed"]),
         "num_layers": config.num_layers,
-        "sums": {n: float(np.asarray(x, np.float64).sum()) for n, x in flat.items() if n.startswith("layers.0.")
-                 or n in ("embed", "lm_head")}}
-    if mode == "load":
-        hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
-        orbax_checkpoint.save(saved, params, hf_config)
+        "sums": {n: float(np.asarray(x, np.float64).sum()) for n, x in flat.items()}}
+    if mode == "load":  # once measured: load again through the engine's path, which saves the checkpoint
+        del params, leaves, flat
+        load_placed(checkpoint, ml_dtypes.bfloat16, NUM_DEVICES, placer, sharding, "orbax")
+        assert orbax_checkpoint.exists(saved)
     Path(out_path).write_text(json.dumps(result))
 
 

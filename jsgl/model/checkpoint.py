@@ -1,16 +1,17 @@
 """jsgl's params pytree as orbax checkpoints, restored straight onto the devices that hold them.
 
 A checkpoint is saved as the engine holds the params: cast to its dtype and, under tensor parallelism, padded
-to whole GQA groups per shard (``jsgl.model.sharding``). One per (source model, dtype, tp degree), under the
-model's cache folder::
+to whole GQA groups per shard (``jsgl.model.sharding``). One per (source model, dtype, tp degree)::
 
-    params-<dtype>-tp<N>/config.json   the HF-style config the params belong to
-    params-<dtype>-tp<N>/tree/         orbax (tensorstore, OCDBT): each array in chunks
+    <folder>/config.json   the HF-style config the params belong to
+    <folder>/tree/         orbax (tensorstore, OCDBT): each array in chunks
 
-A restore gives each array the sharding asked for, and tensorstore reads each device's slice only: a tp=4
-restart places every shard on its device without a host copy of the model (nor of one tensor). The float32
-tp=1 checkpoint of a GGUF model is also its converted-weights cache (dequantized once, ~6 s for the default
-model), which ``load_model`` restores to host arrays.
+where the folder is ``checkpoints/<model key>/params-<FORMAT>-<dtype>-tp<N>`` in jsgl's cache, except a GGUF
+model's float32 tp=1 params: they are its converted-weights cache (dequantized once, ~6 s for the default
+model), under ``models/<model key>/``, which ``load_model`` also restores to host arrays.
+
+A restore gives each array the sharding asked for, and tensorstore reads each device's slice only, with the
+bytes in flight bounded: a tp=4 restart places every shard on its device without a host copy of the model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,13 @@ Params = dict[str, Any]
 ShardingOf = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 
-def checkpoint_path(model_cache: Path, dtype: Any, tp: int) -> Path:
-    return model_cache / f"params-{np.dtype(dtype).name}-tp{tp}"
+# Bump when what a checkpoint holds changes (the loader's conversion, the tensor-parallel padding): a checkpoint
+# of another format is never restored.
+FORMAT = "v1"
+
+
+def folder_name(dtype: Any, tp: int) -> str:
+    return f"params-{FORMAT}-{np.dtype(dtype).name}-tp{tp}"
 
 
 def exists(path: Path) -> bool:
@@ -39,21 +46,32 @@ def exists(path: Path) -> bool:
 
 
 def save(path: Path, params: Params, hf_config: dict[str, Any]) -> None:
-    """Write ``params`` (numpy or jax arrays, sharded or not) under ``path``; atomic: a stopped save leaves
-    no checkpoint behind, only a temporary folder the next save replaces."""
+    """Write ``params`` (numpy or jax arrays, sharded or not) under ``path``; atomic: it is written in a folder
+    of this process's own and renamed into place, so a stopped save leaves no checkpoint behind."""
     import orbax.checkpoint as ocp
 
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    # Uncompressed: zstd saved a third of the default model's 540 MB and made restoring it ~1.5x slower.
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as checkpointer:
-        checkpointer.save(tmp.resolve() / "tree", args=ocp.args.PyTreeSave(params))
-    (tmp / "config.json").write_text(json.dumps(hf_config))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=path.name + ".tmp-"))
+    # Uncompressed: zstd saved a third of the default model's 540 MB and made restoring it ~1.5x slower. Device
+    # to host copies bounded like a restore's reads: saving a model from an accelerator never holds it on the host.
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False,
+                                          save_device_host_concurrent_gb=_in_flight_gb(jax.tree.leaves(params)))
     try:
+        with ocp.Checkpointer(handler) as checkpointer:  # save() returns once the checkpoint is finalized
+            checkpointer.save(tmp.resolve() / "tree", args=ocp.args.PyTreeSave(params))
+        (tmp / "config.json").write_text(json.dumps(hf_config))
         os.replace(tmp, path)
-    except OSError:  # another process saved it first: keep theirs
+    except OSError:
+        if not exists(path):
+            raise
+        # another process saved it first: keep theirs
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _in_flight_gb(leaves: list[Any]) -> float:
+    """Two of the largest array (orbax refuses an array as large as its bound)."""
+    return 2 * max(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves) / 1e9
 
 
 def restore(path: Path, sharding_of: ShardingOf | None = None) -> tuple[dict[str, Any], Params]:
@@ -65,11 +83,10 @@ def restore(path: Path, sharding_of: ShardingOf | None = None) -> tuple[dict[str
     hf_config = json.loads((path / "config.json").read_text())
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         stored = checkpointer.metadata(tree).item_metadata
-    # Bytes in flight bounded by two of the largest array (orbax refuses an array as large as its bound): the host
-    # holds about as much as when loading tensor by tensor. Unbounded, a 200 MB model restored at tp=4 peaked 70-90
-    # MB over its placed shards (largest tensor: 8 MB); bounded, 35-45 MB.
-    largest = max(int(np.prod(m.shape)) * np.dtype(m.dtype).itemsize for m in jax.tree.leaves(stored))
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=2 * largest / 1e9)) as checkpointer:
+    # Bytes in flight bounded: the host holds about as much as when loading tensor by tensor. Unbounded, a 200 MB
+    # model restored at tp=4 peaked 70-90 MB over its placed shards (largest tensor: 8 MB); bounded, 35-45 MB.
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(
+            restore_concurrent_gb=_in_flight_gb(jax.tree.leaves(stored)))) as checkpointer:
         if sharding_of is None:
             args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), stored)
         else:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,10 @@ from jsgl.kernels.quant import QuantBlocks
 from jsgl.model import checkpoint
 from jsgl.model.config import ModelConfig, UnsupportedModelError, refuse
 from jsgl.model.registry import model_cache_dir, resolve_model_path
+from jsgl.paths import cache_dir
 
 Params = dict[str, Any]
+log = logging.getLogger("jsgl.model.loader")
 
 # Our per-layer name -> (GGUF tensor name, HF tensor name); matrices are [out, in] in both files.
 _LAYER_TENSORS = {
@@ -74,7 +78,7 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
     ``dtype``: every tensor cast to it as it is read. ``placer(config)``: a function called on each tensor as
     soon as it is read and converted, whose result the params hold instead (the engine puts each on its device,
     or its shards on theirs): tensor by tensor, the host then holds about one tensor at a time, never the model
-    (an HF folder, or a GGUF's converted cache; converting a GGUF the first time reads it whole)."""
+    (an HF folder; a GGUF is held whole while converted, or read back from its converted weights)."""
     path = resolve_model_path(model)
     if path.is_dir():
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -82,7 +86,7 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
     cache = model_cache_dir(path)
     for stale in ("params.safetensors", "params.v2.safetensors", "config.json"):  # the hand-made cache before orbax
         (cache / stale).unlink(missing_ok=True)
-    converted = checkpoint.checkpoint_path(cache, np.float32, 1)
+    converted = _converted_path(path)
     if checkpoint.exists(converted):
         hf_config, params = checkpoint.restore(converted)
     else:
@@ -95,28 +99,43 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
     return config, _unflatten({name: put(name, flat.pop(name)) for name in list(flat)})
 
 
+def _converted_path(gguf: Path) -> Path:
+    return model_cache_dir(gguf) / checkpoint.folder_name(np.float32, 1)
+
+
+def placed_checkpoint_path(model: str | os.PathLike, dtype: Any, tp: int) -> Path:
+    """Where the orbax checkpoint of a model's params as placed at (dtype, tp) lives (``jsgl.model.checkpoint``)."""
+    path = resolve_model_path(model)
+    if path.is_file() and np.dtype(dtype) == np.float32 and tp == 1:
+        return _converted_path(path)  # a GGUF's converted weights are these params
+    return cache_dir() / "checkpoints" / model_cache_dir(path).name / checkpoint.folder_name(dtype, tp)
+
+
 def load_placed(model: str | os.PathLike, dtype: Any, tp: int, placer: Callable[[ModelConfig], Put],
                 sharding: Callable[[ModelConfig], checkpoint.ShardingOf],
                 cache: str = "auto") -> tuple[ModelConfig, Params]:
     """``load_model``'s params as the engine holds them (``placer``), through an orbax checkpoint of them per
     (model, dtype, tp): restored onto ``sharding(config)`` when it exists, saved after loading when not.
 
-    ``cache``: "orbax" always; "off" never; "auto" for GGUF models only (an HF folder's safetensors are
-    already a checkpoint read tensor by tensor: a second copy of an 8B model would cost 16 GB of disk)."""
+    ``cache``: "orbax" for any model; "auto" for GGUF models only (an HF folder's safetensors are already a
+    checkpoint, read tensor by tensor: a second copy of an 8B model would cost 16 GB of disk); "off": none
+    (a GGUF's converted weights, its float32 tp=1 checkpoint, are still kept: converting is the slow part)."""
     if cache not in WEIGHTS_CACHES:
         raise ValueError(f"weights cache must be one of {', '.join(WEIGHTS_CACHES)}, not {cache!r}")
     path = resolve_model_path(model)
     if cache == "off" or (cache == "auto" and path.is_dir()):
         return load_model(model, dtype, placer)
-    saved = checkpoint.checkpoint_path(model_cache_dir(path), dtype, tp)
+    saved = placed_checkpoint_path(path, dtype, tp)
     if checkpoint.exists(saved):
-        hf_config = json.loads((saved / "config.json").read_text())
-        config = ModelConfig.from_hf(hf_config)  # refuses what this version of jsgl cannot run
-        return config, checkpoint.restore(saved, sharding(config))[1]
+        config = ModelConfig.from_hf(json.loads((saved / "config.json").read_text()))  # refuses what jsgl can't run
+        try:
+            return config, checkpoint.restore(saved, sharding(config))[1]
+        except Exception:  # a damaged checkpoint: load from the model and save it again
+            log.warning("could not restore %s; loading %s instead", saved, path, exc_info=True)
+            shutil.rmtree(saved, ignore_errors=True)
     config, params = load_model(model, dtype, placer)
-    if not checkpoint.exists(saved):  # (a GGUF's float32 tp=1 params are its converted cache: saved already)
-        config_file = path / "config.json" if path.is_dir() else \
-            checkpoint.checkpoint_path(model_cache_dir(path), np.float32, 1) / "config.json"
+    if not checkpoint.exists(saved):  # (a GGUF's float32 tp=1 params are its converted weights: saved already)
+        config_file = path / "config.json" if path.is_dir() else _converted_path(path) / "config.json"
         checkpoint.save(saved, params, json.loads(config_file.read_text()))
     return config, params
 
