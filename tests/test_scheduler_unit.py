@@ -407,16 +407,17 @@ def test_decode_steps_do_not_insert_into_the_cache():
 
 def test_duplicate_prefill_switches_to_the_trees_copy_and_frees_its_own():
     sched, alloc = make(chunk_size=64)
-    prompt = list(range(20))  # shared by both but under IN_BATCH_PREFIX_MIN: computed twice in one batch
+    n = IN_BATCH_PREFIX_MIN - 1
+    prompt = list(range(n))  # shared by both but under IN_BATCH_PREFIX_MIN: computed twice in one batch
     a, b = seq(prompt, rid="a"), seq(prompt, rid="b")
     sched.add(a)
     sched.add(b)
-    assert shape(step(sched)) == (False, ["a", "b"], [20, 20], [True, True])
-    assert b.slots.tolist() == a.slots.tolist() and b.num_cached == 20
-    assert alloc.num_free() == 64 - 20 and sched.cache.total_size() == 20
-    assert sched.cache.protected_size() == 20
-    step(sched)  # decode: each its own slot for its 21st position
-    assert alloc.num_free() == 64 - 22 and a.slots[20] != b.slots[20]
+    assert shape(step(sched)) == (False, ["a", "b"], [n, n], [True, True])
+    assert b.slots.tolist() == a.slots.tolist() and b.num_cached == n
+    assert alloc.num_free() == 64 - n and sched.cache.total_size() == n
+    assert sched.cache.protected_size() == n
+    step(sched)  # decode: each its own slot for its next position
+    assert alloc.num_free() == 64 - n - 2 and a.slots[n] != b.slots[n]
     assert_pool_accounted(sched, alloc)
 
 
@@ -425,12 +426,13 @@ def test_duplicate_prefill_of_a_partly_cached_request_frees_only_its_own_copies(
     base = list(range(10))
     sched.add(seq(base + [90], rid="p", max_new=1))
     step(sched)  # caches 11 tokens
-    a, b = seq(base + [91] * 20, rid="a"), seq(base + [91] * 20, rid="b")
+    n = IN_BATCH_PREFIX_MIN - 1  # uncached and shared, under the deferral threshold
+    a, b = seq(base + [91] * n, rid="a"), seq(base + [91] * n, rid="b")
     sched.add(a)
     sched.add(b)
-    assert shape(step(sched)) == (False, ["a", "b"], [20, 20], [True, True])
-    assert a.num_cached == b.num_cached == 30 and b.slots.tolist() == a.slots.tolist()
-    assert sched.cache.total_size() == 31 and alloc.num_free() == 64 - 31
+    assert shape(step(sched)) == (False, ["a", "b"], [n, n], [True, True])
+    assert a.num_cached == b.num_cached == 10 + n and b.slots.tolist() == a.slots.tolist()
+    assert sched.cache.total_size() == 11 + n and alloc.num_free() == 64 - 11 - n
     assert_pool_accounted(sched, alloc)
 
 
@@ -458,17 +460,18 @@ def test_deferral_counts_shared_tokens_beyond_the_cached_prefix():
     sched, _ = make(capacity=512, chunk_size=128)
     sched.add(seq([1] * 16 + [0], rid="p", max_new=1))
     step(sched)  # caches [1] * 16 (+ the 0)
-    # b shares 47 tokens with a, of which 16 are cached: 31 uncached, not enough to wait.
-    a, b = seq([1] * 50 + [2], rid="a"), seq([1] * 47 + [3], rid="b")
+    m = IN_BATCH_PREFIX_MIN
+    # b shares 16 + m - 1 tokens with a, of which 16 are cached: m - 1 uncached, not enough to wait.
+    a, b = seq([1] * (16 + m + 2) + [2], rid="a"), seq([1] * (16 + m - 1) + [3], rid="b")
     sched.add(a)
     sched.add(b)
-    assert shape(step(sched)) == (False, ["a", "b"], [35, 32], [True, True])
+    assert shape(step(sched)) == (False, ["a", "b"], [m + 3, m], [True, True])
     assert a.cached_tokens_reported == b.cached_tokens_reported == 16
-    # 48 shared, 32 uncached: c waits.
+    # 16 + m shared, m uncached: d waits.
     sched.add(seq([5] * 16 + [0], rid="q", max_new=1))
     step(sched)  # decode a, b
     step(sched)  # q
-    c, d = seq([5] * 50 + [2], rid="c"), seq([5] * 48 + [3], rid="d")
+    c, d = seq([5] * (16 + m + 2) + [2], rid="c"), seq([5] * (16 + m) + [3], rid="d")
     sched.add(c)
     sched.add(d)
     step(sched)  # decode a, b
@@ -700,18 +703,19 @@ def test_release_before_any_whole_page_frees_everything():
 
 def test_release_of_a_request_whose_prefix_another_cached_first():
     sched, alloc = make(chunk_size=64)
-    prompt = list(range(20))
+    n = IN_BATCH_PREFIX_MIN - 1
+    prompt = list(range(n))
     a = seq(prompt, rid="a", max_new=1)
     sched.add(a)
     b = seq(prompt + [99], rid="b")
     sched.add(b)
-    batch = sched.schedule()  # a and b in one batch: both compute the 20 shared tokens
+    batch = sched.schedule()  # a and b in one batch: both compute the shared tokens
     assert shape(batch)[1] == ["a", "b"]
     for s, c in zip(batch.seqs, batch.chunks):
         s.num_computed += c
-    sched.drop(a)  # a caches its 20
-    sched.drop(b)  # b's 20 are already there: b frees its copies, caches its 21st
-    assert sched.cache.total_size() == 21 and alloc.num_free() == 64 - 21
+    sched.drop(a)  # a caches its n
+    sched.drop(b)  # b's n are already there: b frees its copies, caches its last
+    assert sched.cache.total_size() == n + 1 and alloc.num_free() == 64 - n - 1
 
 
 def test_drop_of_a_waiting_request_frees_nothing():
