@@ -57,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-bw", type=float, default=4.8e12, help="peak HBM bandwidth, B/s")
     p.add_argument("--decode-block-k", type=int, default=64)
     p.add_argument("--num-splits", type=int, default=None, help="decode split-K (default: heuristic)")
-    p.add_argument("--extend-block-q", type=int, default=64)
+    p.add_argument("--extend-block-q", type=int, default=None,
+                   help="tokens per extend program, all query heads of a KV head (default: 64 query rows)")
     p.add_argument("--extend-block-k", type=int, default=64)
     p.add_argument("--skip-extend", action="store_true")
     p.add_argument("--skip-native-timing", action="store_true", help="don't time the reference")

@@ -72,10 +72,12 @@ LAYOUTS = {"decode": StepLayout(8, 8, 1, 512), "extend": StepLayout(256, 8, 64, 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(name):
-    got = summary(lowered_step(LAYOUTS[name], "cuda"))
+    text = lowered_step(LAYOUTS[name], "cuda")
     # One kernel a layer, none of the CPU kernels' FFI calls, and every one of the 64 pools (K and V of 32
     # layers) donated: the step writes them in place.
-    assert got == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 1}
+    assert summary(text) == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 1}
+    if name == "extend":  # each program: 16 tokens x the 4 query heads of one KV head, one K/V read for them
+        assert text.count("jsgl_paged_extend_bq16_g4_bk64") >= 32
 
 
 def test_int8_kv_step_lowers_for_cuda_with_its_pools_in_place():

@@ -18,9 +18,11 @@ Two kernels, chosen by :func:`pallas_paged_attention` on the static ``meta.max_q
   runs an online softmax over its range and writes un-normalised ``(acc, max, sum)`` partials in
   float32; a small jnp reduction (log-sum-exp merge) combines them.
 * **extend / prefill** (``max_q_len > 1``), :func:`paged_extend_attention`: grid
-  ``(B, Hq, cdiv(max_q_len, block_q))``. One program owns ``block_q`` new tokens of one request and one
-  query head; it reads them straight from the flat ragged ``q`` at ``q_start[b] + i * block_q`` with a
-  masked load (rows ``>= q_len[b]`` masked, programs past ``q_len`` do nothing), loops over KV blocks
+  ``(B, Hkv, cdiv(max_q_len, block_q))``. One program owns ``block_q`` new tokens of one request and all
+  ``G`` query heads of one KV head (GQA: each K/V block is gathered once for the group; the group padded
+  to a power of two ``Gp``, and ``q`` laid out ``[Hkv, T * Gp, D]`` so the tile is ``block_q * Gp``
+  consecutive rows); it reads them from that ragged layout at ``(q_start[b] + i * block_q) * Gp`` with a
+  masked load (tokens ``>= q_len[b]`` masked, programs past ``q_len`` do nothing), loops over KV blocks
   ``[0, min(kv_len, max position + 1))`` with online softmax, masks ``j <= position & j < kv_len``
   (causal over the new tokens and full over the cached prefix at once) and does a masked store of its
   rows into the flat output. Under a sliding window the loop starts at the block of the tile's first
@@ -347,30 +349,32 @@ def _extend_kernel(
     qs_ref,  # [1] int32 q_start[b]
     ql_ref,  # [1] int32 q_len[b]
     kvl_ref,  # [1] int32 kv_len[b]
-    pos_ref,  # [T] int32 positions (all tokens)
-    q_ref,  # [T, D]: all tokens, this query head
+    pos_ref,  # [T * Gp] int32 positions, each repeated for the group's Gp rows
+    q_ref,  # [T * Gp, D]: all tokens, this KV head's (padded) group of query heads, row t * Gp + g
     bt_ref,  # [Lp] int32: this request's slot table
-    *refs,  # k, v [N, D] of this query head's KV head (and their [N] scales in the 8-bit format); then
-    # o [T, D]: all tokens, this query head
+    *refs,  # k, v [N, D] of this KV head (and their [N] scales in the 8-bit format); then
+    # o [T * Gp, D], laid out as q
     scale: float,
     block_q: int,
     block_k: int,
+    group: int,
     window: int | None,
 ):
     kv_refs, o_ref = refs[:-1], refs[-1]
     q_block = pl.program_id(2)
     q_len = ql_ref[0]
-    row0 = q_block * block_q
+    row0 = q_block * block_q  # first token of this tile
+    rows = block_q * group  # its rows: block_q tokens x the group's query heads, one K/V block for all
 
     @pl.when(row0 < q_len)
     def _():
         head_dim = q_ref.shape[1]
-        start = qs_ref[0] + row0
+        start = (qs_ref[0] + row0) * group
         kv_len = kvl_ref[0]
-        row_ok = row0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0) < q_len
-        row_ok_2d = jnp.broadcast_to(row_ok[:, None], (block_q, head_dim))
-        q = plgpu.load(q_ref.at[pl.ds(start, block_q), :], mask=row_ok_2d, other=0.0)
-        pos = plgpu.load(pos_ref.at[pl.ds(start, block_q)], mask=row_ok, other=-1)
+        row_ok = row0 + lax.broadcasted_iota(jnp.int32, (rows,), 0) // group < q_len
+        row_ok_2d = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+        q = plgpu.load(q_ref.at[pl.ds(start, rows), :], mask=row_ok_2d, other=0.0)
+        pos = plgpu.load(pos_ref.at[pl.ds(start, rows)], mask=row_ok, other=-1)
         pos = jnp.where(row_ok, pos, -1)
         hi = jnp.minimum(kv_len, pos.max() + 1)  # keys [0, hi) can be visible to some row
         num_blocks = jnp.maximum(pl.cdiv(hi, block_k), 0)
@@ -386,16 +390,16 @@ def _extend_kernel(
                 valid &= key_pos[None, :] > pos[:, None] - window
             return _online_softmax_block(carry, q, k, v, valid, scale)
 
-        acc, _, l_run = lax.fori_loop(first_block, num_blocks, body, _online_softmax_init(block_q, head_dim))
+        acc, _, l_run = lax.fori_loop(first_block, num_blocks, body, _online_softmax_init(rows, head_dim))
         out = acc / jnp.where(l_run > 0, l_run, 1.0)[:, None]
-        plgpu.store(o_ref.at[pl.ds(start, block_q), :], out.astype(o_ref.dtype), mask=row_ok_2d)
+        plgpu.store(o_ref.at[pl.ds(start, rows), :], out.astype(o_ref.dtype), mask=row_ok_2d)
 
 
 def _extend_call(
-    q: jax.Array,  # [T, Hq, D]
+    q_rows: jax.Array,  # [Hkv, T * Gp, D]: each KV head's group of query heads, row t * Gp + g
     k_pool: KVPool,
     v_pool: KVPool,
-    positions: jax.Array,  # [T] int32
+    pos_rows: jax.Array,  # [T * Gp] int32
     q_start: jax.Array,  # [B] int32
     q_len: jax.Array,  # [B] int32
     kv_lens: jax.Array,  # [B] int32
@@ -405,38 +409,38 @@ def _extend_call(
     scale: float,
     block_q: int,
     block_k: int,
+    group: int,
     window: int | None,
     interpret: bool,
     num_warps: int,
     num_stages: int,
 ) -> jax.Array:
-    """The extend kernel call: flat ``[T, Hq, D]`` output, rows not covered by any request undefined."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[0]
+    """The extend kernel call: output laid out as ``q_rows``, rows not covered by any request undefined."""
+    num_kv_heads, num_rows, head_dim = q_rows.shape
     kv = _kv_operands(k_pool, v_pool)
-    group = num_q_heads // num_kv_heads
     batch, width = block_table.shape
-    kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, window=window)
+    kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, group=group,
+                               window=window)
     per_req = lambda b, h, i: (b,)
-    tok_spec = pl.BlockSpec((num_tokens, None, head_dim), lambda b, h, i: (0, h, 0))
+    row_spec = pl.BlockSpec((None, num_rows, head_dim), lambda b, h, i: (h, 0, 0))
     return pl.pallas_call(
         kernel,
-        grid=(batch, num_q_heads, pl.cdiv(max_q_len, block_q)),
+        grid=(batch, num_kv_heads, pl.cdiv(max_q_len, block_q)),
         in_specs=[
             pl.BlockSpec((1,), per_req),
             pl.BlockSpec((1,), per_req),
             pl.BlockSpec((1,), per_req),
-            pl.BlockSpec((num_tokens,), lambda b, h, i: (0,)),
-            tok_spec,
+            pl.BlockSpec((num_rows,), lambda b, h, i: (0,)),
+            row_spec,
             pl.BlockSpec((None, width), lambda b, h, i: (b, 0)),
-            *_kv_specs(kv, lambda b, h, i: h // group),
+            *_kv_specs(kv, lambda b, h, i: h),
         ],
-        out_specs=tok_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_extend_bq{block_q}_bk{block_k}{'_int8' if len(kv) == 4 else ''}",
-    )(q_start, q_len, kv_lens, positions, q, block_table, *kv)
+        name=f"jsgl_paged_extend_bq{block_q}_g{group}_bk{block_k}{'_int8' if len(kv) == 4 else ''}",
+    )(q_start, q_len, kv_lens, pos_rows, q_rows, block_table, *kv)
 
 
 def paged_extend_attention(
@@ -446,32 +450,48 @@ def paged_extend_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
-    block_q: int = 64,
+    block_q: int | None = None,
     block_k: int = 64,
     interpret: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
-    """Extend/prefill attention over ragged new tokens. ``q [T, Hq, D]`` -> ``[T, Hq, D]``."""
+    """Extend/prefill attention over ragged new tokens. ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
+
+    A program owns ``block_q`` tokens of one request and all ``G`` query heads of one KV head (GQA: each K/V
+    block is gathered once for the group, not once per query head), the group padded to ``Gp``, a power of
+    two: ``block_q * Gp`` query rows against each ``block_k`` keys (default ``block_q``: 64 rows' worth)."""
     interpret = _resolve_interpret(interpret)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    padded_group = pl.next_power_of_2(group)
     batch, width = meta.block_table.shape
-    # No point in query tiles (much) taller than the longest request.
-    block_q = min(block_q, max(pl.next_power_of_2(meta.max_q_len), 1 if interpret else _MIN_DOT))
-    _check_block("block_q", block_q, interpret)
+    # No point in query tiles (much) taller than the longest request; on GPU the tile's rows feed tl.dot (>= 16).
+    block_q = block_q or max(64 // padded_group, 1)
+    block_q = min(block_q, pl.next_power_of_2(meta.max_q_len))
+    if not interpret:
+        block_q = max(block_q, _MIN_DOT // min(padded_group, _MIN_DOT))
+    _check_block("block_q", block_q, True)
+    _check_block("block_q * padded group", block_q * padded_group, interpret)
     _check_block("block_k", block_k, interpret)
     _check_block("head_dim", head_dim, interpret)
 
+    # [T, Hq, D] -> [Hkv, T * Gp, D]: a KV head's query heads side by side in consecutive rows of each token.
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if padded_group != group:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
+    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(num_kv_heads, num_tokens * padded_group, head_dim)
+    pos_rows = jnp.repeat(meta.positions.astype(jnp.int32), padded_group)
     q_len = jnp.clip(meta.q_len, 0, meta.max_q_len).astype(jnp.int32)
     kv_lens = jnp.clip(meta.kv_lens, 0, width).astype(jnp.int32)
     out = _extend_call(
-        q,
+        q_rows,
         k_pool,
         v_pool,
-        meta.positions.astype(jnp.int32),
+        pos_rows,
         meta.q_start.astype(jnp.int32),
         q_len,
         kv_lens,
@@ -480,11 +500,14 @@ def paged_extend_attention(
         scale=scale,
         block_q=block_q,
         block_k=block_k,
+        group=padded_group,
         window=meta.sliding_window,
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    out = out.reshape(num_kv_heads, num_tokens, padded_group, head_dim)[:, :, :group]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
     # Zero the rows no request covers (the kernel leaves them untouched/uninitialised), like the reference.
     tok = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
     covered = ((tok >= meta.q_start[None, :]) & (tok < (meta.q_start + q_len)[None, :])).any(axis=1)
@@ -506,7 +529,7 @@ def pallas_paged_attention(
     decode_block_k: int = 64,
     decode_block_h: int | None = None,
     num_splits: int | None = None,
-    extend_block_q: int = 64,
+    extend_block_q: int | None = None,
     extend_block_k: int = 64,
     interpret: bool | None = None,
 ) -> jax.Array:
