@@ -49,7 +49,7 @@ def test_samples_follow_the_softmax():
 ])
 def test_filters_keep_only_the_allowed_tokens(overrides, allowed):
     logits = jnp.log(jnp.asarray([0.4, 0.3, 0.15, 0.1, 0.05], jnp.float32))
-    s = inputs(512, 5, need_sort=True, **overrides)
+    s = inputs(512, 5, **overrides)
     tokens, _, _, _ = jax.jit(sample)(jnp.tile(logits, (512, 1)), s)
     assert set(np.asarray(tokens).tolist()) == allowed
 
@@ -136,7 +136,7 @@ def sample_filtered(logits: np.ndarray, cases: list[tuple[float, int, float, flo
     rows = len(cases) * n
     col = lambda i: np.repeat(np.array([c[i] for c in cases]), n)
     s = inputs(rows, len(logits), temperature=col(0).astype(np.float32), top_k=col(1).astype(np.int32),
-               top_p=col(2).astype(np.float32), min_p=col(3).astype(np.float32), need_sort=True,
+               top_p=col(2).astype(np.float32), min_p=col(3).astype(np.float32),
                seeds=np.arange(rows, dtype=np.uint32) * 7 + 3, steps=np.arange(rows, dtype=np.int32) % 97)
     tokens = np.asarray(jax.jit(sampler)(jnp.tile(jnp.asarray(logits), (rows, 1)), s)[0])
     return [tokens[i * n:(i + 1) * n] for i in range(len(cases))]
@@ -177,7 +177,7 @@ CANDIDATE_CASES = {  # name: (temperature, top_k, top_p, min_p) over a 1024-toke
 def test_candidate_sets_and_their_fallbacks_follow_the_numpy_distribution(shuffled_logits, widths, monkeypatch):
     """The ten tokens scattered over 1024 (the rest near -inf). With the default widths every filtered row is
     sampled from its top-256 candidates, in one batch beside an unfiltered row; with widths (4, 8) each case,
-    alone in its batch, goes to the first set holding all its kept tokens: 4, 8, or the full sort."""
+    alone in its batch, goes to the first set holding all its kept tokens: 4, 8, or the whole vocabulary."""
     from jsgl.engine import sampler as sampler_module
 
     vocab = 1024
@@ -257,7 +257,7 @@ def test_top_k_one_and_min_p_one_with_tied_maxima():
     """top_k=1 leaves only the best token; min_p=1 keeps every token tied with the best (p >= 1 * p_max)."""
     logits = np.array([1.0, 3.0, 3.0, 0.0, 2.9], np.float32)
     n = 400
-    s = inputs(2 * n, 5, need_sort=True, top_k=np.repeat(np.array([1, 5], np.int32), n),
+    s = inputs(2 * n, 5, top_k=np.repeat(np.array([1, 5], np.int32), n),
                min_p=np.repeat(np.array([0.0, 1.0], np.float32), n))
     tokens = np.asarray(jax.jit(sample)(jnp.tile(jnp.asarray(logits), (2 * n, 1)), s)[0])
     assert set(tokens[:n].tolist()) in ({1}, {2})  # whichever of the tie sorts first, alone

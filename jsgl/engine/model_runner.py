@@ -331,9 +331,7 @@ class ModelRunner:
         bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
         logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
         repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
-        sampled = temperature > 1e-5
-        need_sort = bool(((top_k < vocab) | (top_p < 1) | (min_p > 0))[sampled].any())
-        rows["flags"][:] = stage_flags(all_greedy=not sampled.any(), need_sort=need_sort, token_logprobs=logprobs,
+        rows["flags"][:] = stage_flags(all_greedy=not (temperature > 1e-5).any(), token_logprobs=logprobs,
                                        apply_mask=masked, apply_bias=biased, apply_repetition=repeated,
                                        want_top=top_logprobs > 0)
         return bitmask, logit_bias, repetition_scale

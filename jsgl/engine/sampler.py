@@ -30,10 +30,10 @@ class SamplingInputs:
     bitmask: jax.Array | None = None  # [B, ceil(V/32)] uint32 allowed tokens (constrained decoding)
     logit_bias: jax.Array | None = None  # [B, V] float32 additive (penalties, logit_bias, min_new_tokens)
     repetition_scale: jax.Array | None = None  # [B, V] float32 repetition penalty (1: untouched)
-    # Which stages run: [all_greedy (no row samples: argmax only), need_sort (a sampled row has top-k/top-p/
-    # min-p), token_logprobs (else zeros), apply_mask, apply_bias, apply_repetition (apply the array given),
-    # want_top (else zeros of the top-logprobs' shape)]. One bool array, not seven scalars: each argument of
-    # a jitted call costs its own host-to-device transfer (~10 us).
+    # Which stages run: [all_greedy (no row samples: argmax only), token_logprobs (else zeros), apply_mask,
+    # apply_bias, apply_repetition (apply the array given), want_top (else zeros of the top-logprobs' shape)].
+    # One bool array, not six scalars: each argument of a jitted call costs its own host-to-device transfer
+    # (~10 us). Whether a row is filtered (top-k/top-p/min-p) the step reads from its parameters.
     flags: jax.Array = dataclasses.field(default_factory=lambda: stage_flags())
     top_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)  # K: the output's width
 
@@ -41,7 +41,6 @@ class SamplingInputs:
         return self.flags[FLAG_NAMES.index(name)]
 
     all_greedy = property(lambda self: self._flag("all_greedy"))
-    need_sort = property(lambda self: self._flag("need_sort"))
     token_logprobs = property(lambda self: self._flag("token_logprobs"))
     apply_mask = property(lambda self: self._flag("apply_mask"))
     apply_bias = property(lambda self: self._flag("apply_bias"))
@@ -49,15 +48,15 @@ class SamplingInputs:
     want_top = property(lambda self: self._flag("want_top"))
 
 
-FLAG_NAMES = ("all_greedy", "need_sort", "token_logprobs", "apply_mask", "apply_bias", "apply_repetition",
+FLAG_NAMES = ("all_greedy", "token_logprobs", "apply_mask", "apply_bias", "apply_repetition",
               "want_top")
 
 
-def stage_flags(all_greedy: bool = True, need_sort: bool = False, token_logprobs: bool = True,
+def stage_flags(all_greedy: bool = True, token_logprobs: bool = True,
                 apply_mask: bool = True, apply_bias: bool = True, apply_repetition: bool = True,
                 want_top: bool = True) -> np.ndarray:
     """The ``SamplingInputs.flags`` array (defaults: greedy, logprobs on, any array given applied)."""
-    return np.array([all_greedy, need_sort, token_logprobs, apply_mask, apply_bias, apply_repetition, want_top])
+    return np.array([all_greedy, token_logprobs, apply_mask, apply_bias, apply_repetition, want_top])
 
 
 def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
@@ -75,11 +74,11 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, x.shape[-1] - 1)  # a row with a NaN: nothing equals its NaN maximum
 
 
-# Widths of the candidate sets tried before a full sort of the vocabulary. A filtered row is sampled exactly
+# Widths of the candidate sets tried before the whole (sorted) vocabulary. A filtered row is sampled exactly
 # from its top-W candidates when the filter drops the last of them: top-k, top-p and min-p each keep a prefix
 # of the sorted order, so nothing past the candidates survives either. On XLA CPU at batch 16 over 49k tokens
-# lax.top_k takes 2.5 ms at 256 and 22 ms at 4096, a full argsort ~170 ms (the old sampler sorted twice:
-# ~520 ms a step in the engine, 80% of tree-of-thought's time).
+# lax.top_k takes 2.5 ms at 256, 22 ms at 4096 and ~140 ms over the whole vocabulary (the old sampler sorted it
+# twice: ~520 ms a step in the engine, 80% of tree-of-thought's time).
 CANDIDATE_WIDTHS = (256, 4096)
 
 
@@ -96,35 +95,26 @@ def _keep_sorted(sorted_logits: jax.Array, log_normalizer: jax.Array, s: Samplin
     return keep.at[:, 0].set(True)
 
 
-def _sample_full_sort(scaled: jax.Array, keys: jax.Array, s: SamplingInputs) -> jax.Array:
-    """Filter in sorted order over the whole vocabulary, then Gumbel-max over what is kept."""
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    keep = _keep_sorted(sorted_logits, jax.nn.logsumexp(scaled, axis=-1), s)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], scaled.dtype))(keys)
-    choice = argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-
-
 def _sample_filtered(scaled: jax.Array, keys: jax.Array, s: SamplingInputs, filtered: jax.Array) -> jax.Array:
-    """Sample the ``filtered`` rows from the narrowest candidate set that holds every token their filters keep
-    (Gumbel-max over the kept candidates: exact, and free of the rounding a cumulative-sum draw would carry
-    across step shapes), falling back to wider sets and then to the full sort."""
+    """Sample the ``filtered`` rows by Gumbel-max over the candidates their filters keep (exact, and free of the
+    rounding a cumulative-sum draw would carry across step shapes), from the narrowest candidate set that holds
+    all of them: the widths in turn, the whole vocabulary last."""
     log_normalizer = jax.nn.logsumexp(scaled, axis=-1)
-    widths = [w for w in CANDIDATE_WIDTHS if w < scaled.shape[-1]]
+    vocab = scaled.shape[-1]
+    widths = [w for w in CANDIDATE_WIDTHS if w < vocab] + [vocab]
 
     def attempt(level: int, x: jax.Array) -> jax.Array:
-        if level == len(widths):
-            return _sample_full_sort(x, keys, s)
         values, ids = jax.lax.top_k(x, widths[level])
         keep = _keep_sorted(values, log_normalizer, s)
-        complete = jnp.all(~filtered | ~keep[:, -1])
 
         def from_candidates(_: jax.Array) -> jax.Array:
             gumbel = jax.vmap(lambda key: jax.random.gumbel(key, values.shape[-1:], values.dtype))(keys)
             choice = argmax(jnp.where(keep, values + gumbel, -jnp.inf))
             return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
 
+        if level == len(widths) - 1:
+            return from_candidates(x)
+        complete = jnp.all(~filtered | ~keep[:, -1])
         return jax.lax.cond(complete, from_candidates, functools.partial(attempt, level + 1), x)
 
     return attempt(0, scaled)
@@ -178,7 +168,7 @@ def _full_sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.A
         scaled = x / jnp.maximum(s.temperature, 1e-5)[:, None]
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seeds, s.steps)
         sampling = s.temperature > 1e-5
-        filtered = sampling & ((s.top_k < x.shape[-1]) | (s.top_p < 1.0) | (s.min_p > 0.0)) & s.need_sort
+        filtered = sampling & ((s.top_k < x.shape[-1]) | (s.top_p < 1.0) | (s.min_p > 0.0))
 
         def unfiltered(y: jax.Array) -> jax.Array:  # Gumbel-max, as jax.random.categorical, with the faster argmax
             gumbel = jax.vmap(lambda key: jax.random.gumbel(key, y.shape[-1:], y.dtype))(keys)
