@@ -192,7 +192,7 @@ def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
 
     def sharding(config):
         placer(config)
-        return lambda name, shape: jax.sharding.NamedSharding(parallel[0].mesh, parallel[0].spec(name, shape))
+        return parallel[0].sharding
 
     saved = placed_checkpoint_path(checkpoint, ml_dtypes.bfloat16, NUM_DEVICES)
     if mode == "load":
@@ -208,8 +208,7 @@ def sharded_load_main(checkpoint: str, out_path: str, mode: str) -> None:
         "peak_over_start": peak - start, "largest": largest, "files": len(list(Path(checkpoint).glob("*.safetensors"))),
         "placed": sum(s.data.nbytes for x in leaves for s in x.addressable_shards),
         "dtypes": sorted({str(x.dtype) for x in leaves}),
-        "specs_match": all(x.sharding == jax.sharding.NamedSharding(
-            parallel[0].mesh, parallel[0].spec(n.rsplit(".", 1)[-1], x.shape)) for n, x in flat.items()),
+        "specs_match": all(x.sharding == parallel[0].sharding(n.rsplit(".", 1)[-1], x.shape) for n, x in flat.items()),
         "wq_shards": _shapes(params["layers"][0]["wq"]), "embed_shards": _shapes(params["embed"]),
         "num_layers": config.num_layers,
         "sums": {n: float(np.asarray(x, np.float64).sum()) for n, x in flat.items()}}

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
 from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.config import EngineConfig
@@ -66,8 +66,9 @@ class Engine:
         started = time.perf_counter()
         enable_compilation_cache()
         self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
-        # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it: the host
-        # never holds the whole model.
+        # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it, or restored
+        # onto them from the orbax checkpoint of an earlier start: the host never holds the whole model (but for a
+        # GGUF's converted weights while a new dtype or tp degree is first placed).
         self.model_config, params = load_placed(cfg.model, self.dtype, cfg.tp, self._placer, self._sharding,
                                                 cfg.weights_cache)
         load_s = time.perf_counter() - started
@@ -159,8 +160,7 @@ class Engine:
         """Where each restored checkpoint array goes (what ``_placer`` gives a loaded one): (leaf name, shape)
         -> its sharding."""
         if self.config.tp > 1:
-            tp = TensorParallel.create(config, self.config.tp)
-            return lambda name, shape: NamedSharding(tp.mesh, tp.spec(name, shape))
+            return TensorParallel.create(config, self.config.tp).sharding
         device = SingleDeviceSharding(jax.devices()[0])
         return lambda name, shape: device
 

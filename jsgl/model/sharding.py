@@ -194,8 +194,12 @@ class TensorParallel:
         device ever holds the whole tensor, and the host one tensor at a time (the loader calls this per tensor)."""
         leaf = name.rsplit(".", 1)[-1]  # "layers.3.wq" -> "wq"
         w = self.pad_tensor(leaf, w)
-        sharding = NamedSharding(self.mesh, self.spec(leaf, w.shape))
-        return jax.make_array_from_callback(w.shape, sharding, lambda index: w[index])
+        return jax.make_array_from_callback(w.shape, self.sharding(leaf, w.shape), lambda index: w[index])
+
+    def sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
+        """Where the (padded) leaf ``name`` of this shape lives: what ``place`` gives it, and where a restored
+        checkpoint puts it."""
+        return NamedSharding(self.mesh, self.spec(name, shape))
 
     def shard_params(self, params: Params) -> Params:
         """Pad on the host and place each leaf with its NamedSharding (each device gets only its slice)."""
