@@ -474,7 +474,8 @@ def paged_extend_attention(
     block_q = min(block_q, pl.next_power_of_2(meta.max_q_len))
     if not interpret:
         block_q = max(block_q, _MIN_DOT // min(padded_group, _MIN_DOT))
-    _check_block("block_q", block_q, True)
+    # A power of two; the >= 16 rows tl.dot needs are the tile's, block_q * Gp (checked next), not block_q's.
+    _check_block("block_q", block_q, interpret=True)
     _check_block("block_q * padded group", block_q * padded_group, interpret)
     _check_block("block_k", block_k, interpret)
     _check_block("head_dim", head_dim, interpret)
