@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+RSS_SAMPLE_S = 5.0
 PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):", "Q: What is 2+2?\nA:",
            "A short poem about the sea:", "List three colors:"]
 REGEX = r"(yes|no|maybe)"
@@ -64,6 +65,9 @@ class SoakReport:
     rss_end_mb: float | None
     compiles_warm: int  # step signatures compiled by the end of the warm-up (each costs host memory)
     server_info: dict[str, Any]
+    # (seconds since the start, requests answered, RSS MB) every RSS_SAMPLE_S after the warm-up: a leak grows
+    # with the requests; the radix tree filling the KV pool levels off (the 8-phase soak in test_soak.py).
+    rss_samples: list[tuple[float, int, float]] = dataclasses.field(default_factory=list)
 
     @property
     def failures(self) -> list[Outcome]:
@@ -95,6 +99,9 @@ class SoakReport:
         if self.rss_warm_mb is not None:
             lines.append(f"server RSS after warm-up {self.rss_warm_mb:.0f} MB, at the end {self.rss_end_mb:.0f} MB "
                          f"(step signatures compiled: {self.compiles_warm} -> {self.server_info.get('compiles')})")
+        if self.rss_samples:
+            lines.append("  RSS MB at (s, requests): " + ", ".join(f"{mb:.0f} ({t:.0f}, {n})"
+                                                                 for t, n, mb in self.rss_samples))
         lines += [f"LEAK: {p}" for p in self.leaks()]
         lines += [f"WRONG: {o.kind}: {o.detail}" for o in self.failures[:10]]
         return "\n".join(lines)
@@ -274,10 +281,17 @@ def run_soak(url: str, duration_s: float, clients: int = 8, hostile_share: float
             with lock:
                 outcomes.append(outcome)
 
+    samples: list[tuple[float, int, float]] = []
+
     def sample_warm() -> None:
         time.sleep(warmup_s)
         warm["rss"] = rss_mb(server_pid) if server_pid else None
         warm["compiles"] = _server_info(url, api_key, wait_idle=False).get("compiles", 0)
+        while server_pid and time.monotonic() < deadline:
+            mb = rss_mb(server_pid)
+            if mb is not None:
+                samples.append((time.monotonic() - start, len(outcomes), mb))
+            time.sleep(RSS_SAMPLE_S)
 
     threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(clients)]
     threads.append(threading.Thread(target=sample_warm, daemon=True))
@@ -288,7 +302,7 @@ def run_soak(url: str, duration_s: float, clients: int = 8, hostile_share: float
     seconds = time.monotonic() - start
     info = _server_info(url, api_key, wait_idle=True)
     return SoakReport(seconds, outcomes, warm["rss"], rss_mb(server_pid) if server_pid else None,
-                      warm["compiles"], info)
+                      warm["compiles"], info, samples)
 
 
 def main(argv: list[str] | None = None) -> int:

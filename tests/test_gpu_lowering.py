@@ -54,7 +54,7 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float
     args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
             jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
             jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
-            jax.ShapeDtypeStruct((b, vocab), jnp.float32))
+            jax.ShapeDtypeStruct((b, vocab), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
     return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 

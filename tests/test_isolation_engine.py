@@ -109,16 +109,14 @@ def test_a_failing_request_fails_alone_without_leaking_its_text(engine, solo, mo
 
 def test_a_failing_model_step_is_rerun_per_request(engine, solo, monkeypatch):
     """The batched forward fails because of one request: each is rerun alone, only the culprit fails."""
-    original = engine.runner.run
-    calls = []
+    original = engine.runner.dispatch
 
-    def run(items, **kw):
-        calls.append(len(items))
+    def dispatch(items, **kw):
         if any(it.top_p == 0.5 for it in items):  # the culprit's marker: fails any step it is in
             raise ValueError("device step failed")
         return original(items, **kw)
 
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "dispatch", dispatch)
     victim = engine.submit(*VICTIM)
     culprit = engine.submit("Hello there", {"max_new_tokens": 8, "temperature": 0.7, "top_p": 0.5})
     bad, good = culprit.result(timeout=120), victim.result(timeout=120)
@@ -133,17 +131,17 @@ def test_a_failure_that_loses_the_kv_pools_fails_the_batch_and_the_engine_recove
     request fails, the pools are reallocated and the (now meaningless) prefix cache emptied."""
     import jax
 
-    original = engine.runner.run
+    original = engine.runner.dispatch
     state = {"fail": True}
 
-    def run(items, **kw):
+    def dispatch(items, **kw):
         if state["fail"] and len(items) > 1:
             for leaf in jax.tree.leaves(engine.runner.kv):
                 leaf.delete()  # what a failure while the donated step executes leaves behind
             raise ValueError("broken device")
         return original(items, **kw)
 
-    monkeypatch.setattr(engine.runner, "run", run)
+    monkeypatch.setattr(engine.runner, "dispatch", dispatch)
     handles = engine.submit_batch([VICTIM[0], "Hi there"], [VICTIM[1], {"max_new_tokens": 4}])
     outs = [h.result(timeout=120) for h in handles]
     assert all(o.abort_reason == AbortReason.STEP_FAILED and "broken device" not in o.error for o in outs)

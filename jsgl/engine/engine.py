@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from jsgl.engine.admission import Admission, check_text
@@ -27,7 +28,7 @@ from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.handle import RequestHandle
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.memory import plan_memory, resolve_dtypes
-from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
+from jsgl.engine.model_runner import ForwardItem, ModelRunner, PendingStep, bucket, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import (
     AbortReason,
@@ -57,6 +58,10 @@ log = logging.getLogger("jsgl.engine")
 # Tokens the optimal-hit-rate trie may hold: ~256 B a node, so ~8 MB. Outputs go in too (a next call extends
 # them); with them the old 1 << 18 window (~67 MB) let a soak of unique sampled outputs outgrow its memory bound.
 HIT_RATE_WINDOW_TOKENS = 1 << 15
+# On CPU the device's work runs on the host's own cores, so overlapping the host's work with it pays only while
+# the step leaves them idle part of the time. bench_decode, overlap over sync (tokens/s, 5 rounds, 2 cores):
+# batch 1 +7%, 2 +19%, 4 +13%, 8 +6%, 16 -4% (twice): a 16-row step keeps both cores busy.
+CPU_OVERLAP_MAX_BATCH = 8
 
 
 class Engine:
@@ -124,6 +129,8 @@ class Engine:
         self._stopped = False
         self._flush: list[tuple[threading.Event, list[bool]]] = []
         self._pending: list[Sequence] = []  # waiting for their constraint's index to build
+        self._inflight: Overlapped | None = None  # a decode step dispatched before the last one was read back
+        self._overlap_max_batch = CPU_OVERLAP_MAX_BATCH if jax.default_backend() == "cpu" else cfg.max_running_requests
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              self.config.jump_forward, self.config.grammar_backend)
         self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
@@ -131,6 +138,7 @@ class Engine:
         self.outputs = OutputProcessor(self.constraints, self.model_config.vocab_size, self.scheduler.token_limit)
         self._reset_hit_rate_window()
         self.forward_passes = 0
+        self.overlapped_steps = 0  # decode steps dispatched before the step they follow was read back
         self.step_time = {"decode": 0.0, "extend": 0.0}
         self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
         self._thread = threading.Thread(target=self._loop, name="jsgl-engine", daemon=True)
@@ -282,7 +290,7 @@ class Engine:
             # entries can let the achieved rate exceed it; after a flush it cannot.)
             "cache_hit_rate": (s.cached_tokens - self._window[1]) / window_prompt if window_prompt else 0.0,
             "optimal_hit_rate": self._distinct.optimal_hit_rate,
-            "forward_passes": self.forward_passes,
+            "forward_passes": self.forward_passes, "overlapped_steps": self.overlapped_steps,
             "jump_forward_tokens": self.constraints.jumped_tokens, "steps": s.steps, "extend_steps": s.extend_steps,
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
@@ -367,7 +375,7 @@ class Engine:
                             *self.scheduler.running]:
                     self._finish(seq, FinishReason.ABORT, AbortReason.SHUTDOWN, "engine shut down")
                 return
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and self._inflight is None:
                 # Also the granularity of constraint timeouts while only pending requests remain.
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -376,6 +384,7 @@ class Engine:
                 self.step()
             except Exception:  # not attributable to one request (step() isolates those): fail the batch
                 error_id = log_failure("engine step failed outside any one request")
+                self._inflight = None
                 lost_kv = not self.runner.kv_intact()  # the pools were donated to the failed call
                 if lost_kv:
                     self.runner.reset_kv()
@@ -424,7 +433,11 @@ class Engine:
             self._finish(seq, FinishReason.ABORT, AbortReason.CLIENT, "aborted")
 
     def step(self) -> Batch | None:
-        """Schedule and run one batch, then post-process its sampled tokens (engine thread only)."""
+        """Run one batch and fold its sampled tokens back (engine thread only). With overlap scheduling the
+        next decode step of the same requests is dispatched before this one is read back (``_overlap``), and
+        the following call runs that one instead of scheduling."""
+        if self._inflight is not None:
+            return self._absorb_overlapped()
         batch = self.scheduler.schedule()
         if batch is None:
             return None
@@ -437,7 +450,22 @@ class Engine:
                 rows.append(i)
             except Exception:
                 self._fail_one(seq, "preparing its step inputs")
-        results = self._run_isolated([batch.seqs[i] for i in rows], items, batch.is_decode)
+        seqs = [batch.seqs[i] for i in rows]
+        pending = None
+        if items:
+            try:
+                pending = self._dispatch(seqs, items, batch.is_decode)
+            except Exception:  # rerun below, each request alone
+                if not self.runner.kv_intact():
+                    raise
+            if pending is not None and len(rows) == len(batch.seqs):
+                self._inflight = self._overlap(batch, items, pending)
+        results = self._run_isolated(seqs, items, batch.is_decode, pending)
+        self._absorb(batch, rows, results)
+        self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
+        return batch
+
+    def _absorb(self, batch: Batch, rows: list[int], results: list[Any]) -> None:
         for i, result in zip(rows, results):
             seq = batch.seqs[i]
             if result is None:
@@ -453,29 +481,99 @@ class Engine:
                     self._retire(seq)
                 seq.publish()
         self.scheduler.after_step(batch)
-        self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
+
+    def _overlap(self, batch: Batch, items: list[ForwardItem], pending: PendingStep) -> Overlapped | None:
+        """Dispatch the next decode step of ``batch``'s requests behind ``pending``, its tokens taken from
+        ``pending``'s on device, when nothing the host would learn from ``pending`` can change that step: no
+        request waits to be admitted, and no request's next sampling depends on this token (FSM masks,
+        penalties, logit bias). A request that finishes on ``pending``'s token wastes its row of the next step
+        (its KV write lands in a slot it has already freed, before anyone can reuse it: steps run in order);
+        a request known to finish on it (length) gets a padding row, and too many of those end the overlap."""
+        if not (self.config.overlap_schedule and batch.is_decode) or self._pending or \
+                self.scheduler.waiting or self.scheduler.prefilling or len(batch.seqs) > self._overlap_max_batch:
+            return None
+        with self._lock:
+            if self._inbox or self._aborts or self._flush or self._stopped:
+                return None
+        if any(it.bitmask is not None or it.logit_bias is not None or it.repetition_scale is not None
+               for it in items):
+            return None
+        limit = self.scheduler.token_limit
+        going = [not s.finished and len(s.output_ids) + 1 < s.max_new_tokens and s.num_tokens + 1 < limit
+                 for s in batch.seqs]
+        if not any(going) or bucket(sum(going)) < pending.layout.num_b:  # a smaller batch would do: schedule afresh
+            return None
+        next_items = []
+        for seq, item, go in zip(batch.seqs, items, going):
+            if not go:
+                next_items.append(ForwardItem(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)))  # writes slot 0
+                continue
+            position = seq.num_tokens  # of the token `pending` samples
+            if not self.scheduler.grow(seq, position + 1):
+                return None
+            next_items.append(dataclasses.replace(item, token_ids=np.zeros(1, np.int32), start_pos=position,
+                                                  slots=seq.slots, step=len(seq.output_ids) + 1))
+        try:
+            following = self._dispatch(batch.seqs, next_items, True, after=pending)
+        except Exception:  # not run: the requests go on through the scheduler
+            if not self.runner.kv_intact():
+                raise
+            log.warning("an overlapped decode step could not be dispatched; continuing without", exc_info=True)
+            return None
+        self.scheduler.count_step(batch)
+        self.overlapped_steps += 1
+        return Overlapped(Batch(True, list(batch.seqs), [1] * len(batch.seqs)), next_items,
+                          [i for i, go in enumerate(going) if go], following)
+
+    def _absorb_overlapped(self) -> Batch:
+        """Run the overlapped step dispatched by the previous call: first overlap the one after it, then read
+        this one and fold in the rows of requests still running."""
+        t0 = time.perf_counter()
+        current, self._inflight = self._inflight, None
+        batch, pending = current.batch, current.pending
+        self._inflight = self._overlap(batch, current.items, pending)
+        try:
+            out = pending.result()
+        except Exception:
+            self._inflight = None  # queued behind the failed step
+            if not self.runner.kv_intact():
+                raise
+            # Nothing of it was folded in: the requests decode this token again through the scheduler.
+            log.warning("an overlapped decode step failed; its requests go on without it", exc_info=True)
+            return batch
+        rows = [i for i in current.rows if not batch.seqs[i].finished]  # finished meanwhile: their row is void
+        self._absorb(batch, rows, [(out, i) for i in rows])
+        self.step_time["decode"] += time.perf_counter() - t0
         return batch
 
-    def _forward(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> Any:
+    def _dispatch(self, seqs: list[Sequence], items: list[Any], is_decode: bool,
+                  after: PendingStep | None = None) -> PendingStep:
         logprobs = any(s.params.return_logprob for s in seqs)
         top = max((s.params.top_logprobs_num for s in seqs if s.params.return_logprob), default=0)
         want_prompt = (not is_decode) and any(s.wants_prompt_logprobs for s in seqs)
-        out = self.runner.run(items, logprobs=logprobs, top_logprobs=top, prompt_top_k=top if want_prompt else -1)
+        pending = self.runner.dispatch(items, logprobs=logprobs, top_logprobs=top,
+                                       prompt_top_k=top if want_prompt else -1, after=after)
         self.forward_passes += 1
-        return out
+        return pending
 
-    def _run_isolated(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> list[Any]:
+    def _forward(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> Any:
+        return self._dispatch(seqs, items, is_decode).result()
+
+    def _run_isolated(self, seqs: list[Sequence], items: list[Any], is_decode: bool,
+                      pending: PendingStep | None = None) -> list[Any]:
         """The step's output as one (StepOutput, row) per sequence, or None for a sequence whose step
         failed. When the batched forward fails, each sequence is rerun alone (its K/V writes go to its
         own slots, so recomputing them is harmless): a failure that follows one request's inputs fails
         that request only, and the others continue. A failure that consumed the donated KV pools cannot
-        be confined to one request: it is raised and fails every running request."""
+        be confined to one request: it is raised and fails every running request. ``pending``: the batched
+        step, already dispatched (None: it failed to dispatch, or is to be run here)."""
         if not items:
             return []
         try:
-            out = self._forward(seqs, items, is_decode)
+            out = (pending or self._dispatch(seqs, items, is_decode)).result()
             return [(out, row) for row in range(len(items))]
         except Exception:
+            self._inflight = None  # an overlapped step queued behind this one failed with it
             if not self.runner.kv_intact():
                 raise
             if len(items) == 1:  # already alone
@@ -520,6 +618,16 @@ class Engine:
             future, seq.constraint_ready = seq.constraint_ready, None
             if future is not None:
                 release_index(future)
+
+
+@dataclasses.dataclass
+class Overlapped:
+    """A decode step dispatched behind the one before it, not yet read back."""
+
+    batch: Batch  # every request of the step before, in the same rows
+    items: list[ForwardItem]
+    rows: list[int]  # the rows that compute a request's next token (the others are padding)
+    pending: PendingStep
 
 
 def log_failure(what: str) -> str:

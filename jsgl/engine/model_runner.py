@@ -68,17 +68,50 @@ class StepOutput:
     prompt_top_logprobs: list[tuple[np.ndarray, np.ndarray]] | None = None
 
 
+class PendingStep:
+    """A dispatched step whose outputs have not been read back (JAX dispatches asynchronously)."""
+
+    def __init__(self, out: dict[str, jax.Array], layout: StepLayout, q_lens: list[int], logprobs: bool,
+                 top_logprobs: int, prompt_top_k: int):
+        self.out, self.layout, self.q_lens = out, layout, q_lens
+        self.logprobs, self.top_logprobs, self.prompt_top_k = logprobs, top_logprobs, prompt_top_k
+
+    @property
+    def tokens(self) -> jax.Array:
+        """The sampled tokens, on device: a next step can take them as inputs before they are read."""
+        return self.out["tokens"]
+
+    def result(self) -> StepOutput:
+        """Wait for the step and read back what was asked (only that crosses to the host)."""
+        n, out, logprobs, top_logprobs, prompt_top_k = (len(self.q_lens), self.out, self.logprobs, self.top_logprobs,
+                                                        self.prompt_top_k)
+        wanted = ["tokens"] + ["logprobs"] * logprobs + ["top_vals", "top_ids"] * (top_logprobs > 0) + \
+            ["prompt_logprobs"] * (prompt_top_k >= 0) + ["prompt_top_vals", "prompt_top_ids"] * (prompt_top_k > 0)
+        host = dict(zip(wanted, jax.device_get([out[k] for k in wanted])))
+        result = StepOutput(host["tokens"][:n], host["logprobs"][:n] if logprobs else None,
+                            (host["top_vals"][:n, :top_logprobs], host["top_ids"][:n, :top_logprobs])
+                            if top_logprobs else None)
+        if prompt_top_k >= 0:
+            starts = np.cumsum([0, *self.q_lens])
+            spans = [slice(starts[b], starts[b + 1]) for b in range(n)]
+            result.prompt_logprobs = [host["prompt_logprobs"][s] for s in spans]
+            if prompt_top_k > 0:
+                result.prompt_top_logprobs = [(host["prompt_top_vals"][s, :prompt_top_k],
+                                               host["prompt_top_ids"][s, :prompt_top_k]) for s in spans]
+        return result
+
+
 def enable_compilation_cache() -> None:
     path = os.environ.get("JSGL_JAX_CACHE", str(cache_dir() / "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale,
+def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale, previous_tokens,
           *, layout: StepLayout, config: ModelConfig, attention_backend: str, prompt_top_k: int,
           top_logprobs: int, tp: TensorParallel | None = None):
     token_ids, write_slots, meta, sample_index, target_ids, sampling = unpack(
-        ints, floats, bitmask, logit_bias, repetition_scale, layout, top_logprobs)
+        ints, floats, bitmask, logit_bias, repetition_scale, previous_tokens, layout, top_logprobs)
     attention = get_attention_backend(attention_backend)
     if tp is not None:  # attention per shard on local heads; XLA partitions the rest from the shardings
         attention = tp.shard_attention(attention)
@@ -184,6 +217,13 @@ class ModelRunner:
             prompt_top_k: int = -1) -> StepOutput:
         """One forward + sample over ``items``: the sampled tokens, with their logprobs if ``logprobs``, the
         top ``top_logprobs`` alternatives, and for ``prompt_top_k >= 0`` the prompt's logprobs too."""
+        return self.dispatch(items, logprobs=logprobs, top_logprobs=top_logprobs, prompt_top_k=prompt_top_k).result()
+
+    def dispatch(self, items: list[ForwardItem], *, logprobs: bool = True, top_logprobs: int = 0,
+                 prompt_top_k: int = -1, after: PendingStep | None = None) -> PendingStep:
+        """Start ``run``'s step without waiting for it. With ``after`` (a decode step of the same requests in
+        the same rows, not yet read back), each item's token is the one ``after`` samples in its row: the
+        step is queued behind it on the device while the host reads and absorbs ``after``."""
         n = len(items)
         if top_logprobs > self.max_top_logprobs or prompt_top_k > self.max_top_logprobs:
             raise ValueError(f"top logprobs {max(top_logprobs, prompt_top_k)} > the runner's max_top_logprobs "
@@ -192,6 +232,8 @@ class ModelRunner:
         q_lens = [len(it.token_ids) for it in items]
         kv_lens = [it.start_pos + q for it, q in zip(items, q_lens)]
         layout = StepLayout(*self.step_shape(n, sum(q_lens), max(q_lens), max(kv_lens), is_decode))
+        if after is not None and (not is_decode or after.layout != layout):
+            raise ValueError("a step dispatched after another must be a decode step of the same layout")
         packed = new_packed(layout, self.config.vocab_size)
         rows = packed.views(layout)
         offset = 0
@@ -206,29 +248,19 @@ class ModelRunner:
             rows["block_table"][b, :kv_len] = it.slots[:kv_len]
             rows["sample_index"][b] = offset + m - 1
             offset += m
+        if after is not None:
+            rows["previous_row"][:n] = np.arange(n)
         arrays = self._sampling_rows(items, layout.num_b, rows, top_logprobs, logprobs)
+        previous = after.tokens if after is not None else self._neutral("previous_tokens", layout.num_b)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
         signature = (*layout, prompt_k)
         self._count_signature(signature)
-        args = (self.params, self.kv, packed.ints, packed.floats, *arrays)
+        args = (self.params, self.kv, packed.ints, packed.floats, *arrays, previous)
         compiled = self._executables.get(signature)
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=prompt_k)
-        wanted = ["tokens"] + ["logprobs"] * logprobs + ["top_vals", "top_ids"] * (top_logprobs > 0) + \
-            ["prompt_logprobs"] * (prompt_top_k >= 0) + ["prompt_top_vals", "prompt_top_ids"] * (prompt_top_k > 0)
-        out = dict(zip(wanted, jax.device_get([out[k] for k in wanted])))  # only what was asked crosses back
-        result = StepOutput(out["tokens"][:n], out["logprobs"][:n] if logprobs else None,
-                            (out["top_vals"][:n, :top_logprobs], out["top_ids"][:n, :top_logprobs])
-                            if top_logprobs else None)
-        if prompt_top_k >= 0:
-            starts = np.cumsum([0, *q_lens])
-            spans = [slice(starts[b], starts[b + 1]) for b in range(n)]
-            result.prompt_logprobs = [out["prompt_logprobs"][s] for s in spans]
-            if prompt_top_k > 0:
-                result.prompt_top_logprobs = [(out["prompt_top_vals"][s, :prompt_top_k],
-                                               out["prompt_top_ids"][s, :prompt_top_k]) for s in spans]
-        return result
+        return PendingStep(out, layout, q_lens, logprobs, top_logprobs, prompt_top_k)
 
     def planned_signatures(self, mode: str, max_running: int, chunk_size: int) -> list[tuple]:
         """The step signatures a configuration produces, for ``precompile(mode)``.
@@ -271,7 +303,8 @@ class ModelRunner:
         first run pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer)."""
         layout = StepLayout(*signature[:4])
         packed = new_packed(layout, self.config.vocab_size)
-        arrays = [self._neutral(kind, layout.num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
+        arrays = [self._neutral(kind, layout.num_b)
+                  for kind in ("bitmask", "logit_bias", "repetition_scale", "previous_tokens")]
         self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, packed.floats, *arrays)
         jax.block_until_ready(out)
 
@@ -280,7 +313,8 @@ class ModelRunner:
         return (self.params, self.kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
                 jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
                 jax.ShapeDtypeStruct((num_b, -(-vocab // 32)), jnp.uint32),
-                jax.ShapeDtypeStruct((num_b, vocab), jnp.float32), jax.ShapeDtypeStruct((num_b, vocab), jnp.float32))
+                jax.ShapeDtypeStruct((num_b, vocab), jnp.float32), jax.ShapeDtypeStruct((num_b, vocab), jnp.float32),
+                jax.ShapeDtypeStruct((num_b,), jnp.int32))
 
     def _count_signature(self, signature: tuple) -> None:
         if signature in self._signatures:
@@ -301,7 +335,8 @@ class ModelRunner:
             self._defaults[key] = jnp.asarray({
                 "bitmask": lambda: np.full((num_b, -(-vocab // 32)), 0xFFFFFFFF, np.uint32),
                 "logit_bias": lambda: np.zeros((num_b, vocab), np.float32),
-                "repetition_scale": lambda: np.ones((num_b, vocab), np.float32)}[kind]())
+                "repetition_scale": lambda: np.ones((num_b, vocab), np.float32),
+                "previous_tokens": lambda: np.zeros(num_b, np.int32)}[kind]())
         return self._defaults[key]
 
     def _rows(self, items: list[ForwardItem], num_b: int, kind: str, fill: float | int, dtype: Any,

@@ -114,6 +114,11 @@ class Scheduler:
         seq.slots = np.concatenate([seq.slots, new])
         return True
 
+    def grow(self, seq: Sequence, upto: int) -> bool:
+        """Slots for positions [0, upto) of a running sequence, evicting from the cache if short (an overlapped
+        decode step asks for the position after its last known token); False when they cannot be had."""
+        return self._grow(seq, upto)
+
     def release(self, seq: Sequence) -> None:
         """Give a sequence's KV back: what the prefix cache takes stays there, the rest goes to the allocator."""
         computed = seq.num_computed
@@ -143,13 +148,17 @@ class Scheduler:
             batch = self._schedule_extend()
         self._last_was_extend = batch is not None and not batch.is_decode
         if batch is not None:
-            self.stats.steps += 1
-            self.stats.batched_requests += len(batch.seqs)
-            if batch.is_decode:
-                self.stats.decode_steps += 1
-            else:
-                self.stats.extend_steps += 1
+            self.count_step(batch)
         return batch
+
+    def count_step(self, batch: Batch) -> None:
+        """Count a step in the stats (also one the engine dispatched without scheduling: overlap)."""
+        self.stats.steps += 1
+        self.stats.batched_requests += len(batch.seqs)
+        if batch.is_decode:
+            self.stats.decode_steps += 1
+        else:
+            self.stats.extend_steps += 1
 
     def _match_prefix(self, seq: Sequence) -> None:
         # Always compute at least the last token (its logits pick the next one), and recompute

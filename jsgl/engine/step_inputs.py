@@ -18,7 +18,9 @@ from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs
 from jsgl.kernels.attention import AttentionMetadata
 
 # Per-token int32 rows, per-request int32 rows (the block table follows them), per-request float32 rows.
-TOKEN_ROWS = ("token_ids", "write_slots", "positions", "target_ids")
+# `previous_row`: -1, or the row of the previous step's sampled tokens (still on device) that is this token: an
+# overlapped decode step is dispatched before its inputs' last tokens are read back.
+TOKEN_ROWS = ("token_ids", "previous_row", "write_slots", "positions", "target_ids")
 REQUEST_ROWS = ("q_start", "q_len", "kv_lens", "sample_index", "top_k", "seeds", "steps")
 FLOAT_ROWS = ("temperature", "top_p", "min_p")
 
@@ -61,17 +63,18 @@ class PackedStep(NamedTuple):
 
 
 def new_packed(layout: StepLayout, vocab_size: int) -> PackedStep:
-    """Zeroed buffers with the neutral sampling values (top_k = vocab, top_p = 1)."""
+    """Zeroed buffers with the neutral sampling values (top_k = vocab, top_p = 1, no previous row)."""
     packed = PackedStep(np.zeros(layout.num_ints, np.int32), np.zeros(layout.num_floats, np.float32))
     views = packed.views(layout)
+    views["previous_row"][:] = -1
     views["top_k"][:] = vocab_size
     views["top_p"][:] = 1.0
     return packed
 
 
 def unpack(ints: jax.Array, floats: jax.Array, bitmask: Any, logit_bias: Any, repetition_scale: Any,
-           layout: StepLayout, top_logprobs: int) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array,
-                                                            jax.Array, SamplingInputs]:
+           previous_tokens: jax.Array, layout: StepLayout,
+           top_logprobs: int) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array, jax.Array, SamplingInputs]:
     """Inside the jitted step: (token_ids, write_slots, meta, sample_index, target_ids, sampling)."""
     t, b = layout.num_t, layout.num_b
     parts: dict[str, jax.Array] = {}
@@ -88,4 +91,6 @@ def unpack(ints: jax.Array, floats: jax.Array, bitmask: Any, logit_bias: Any, re
     sampling = SamplingInputs(temperature, top_p, parts["top_k"], min_p,
                               jax.lax.bitcast_convert_type(parts["seeds"], jnp.uint32), parts["steps"],
                               bitmask, logit_bias, repetition_scale, flags, top_logprobs=top_logprobs)
-    return parts["token_ids"], parts["write_slots"], meta, parts["sample_index"], parts["target_ids"], sampling
+    previous_row = parts["previous_row"]
+    token_ids = jnp.where(previous_row >= 0, previous_tokens[jnp.clip(previous_row, 0, b - 1)], parts["token_ids"])
+    return token_ids, parts["write_slots"], meta, parts["sample_index"], parts["target_ids"], sampling
