@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
                         "--num-api-spec-tokens", "16"], None),
     "bench tp": (["bench", "tp", "--tps", "1,2", "--batch", "2", "--context", "8", "--steps", "2",
                   "--warmup", "1"], None),
+    "bench prefill": (["bench", "prefill", "--questions", "2", "--rounds", "2", "--systems", "jsgl",
+                       "--precompile", "off"], None),
     "bench soak": (["bench", "soak", "--duration", "2", "--warmup", "0.5", "--clients", "2"], None),
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
@@ -172,6 +174,14 @@ def test_bench_api_spec(results):
 def test_bench_tp(results):
     out, _ = finished(results, "bench tp")
     assert "tp=2 vs tp=1" in out and "greedy tokens identical" in out
+
+
+def test_bench_prefill(results):
+    """Two questions of each subject: the second reuses the first's few-shot prefix from the radix tree."""
+    out, _ = finished(results, "bench prefill")
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["jsgl"])
+    prompt, computed = (int(x) for x in row.split("|")[1].split()[1:3])
+    assert 0 < computed < prompt * 0.75, row
 
 
 def test_bench_soak(results):

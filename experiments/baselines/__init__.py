@@ -34,6 +34,7 @@ class Target:
     backend: Any
     flush: Callable[[], None]
     stats: Callable[[], dict[str, Any]] | None = None
+    url: str | None = None  # the server's base URL, where the system is one (benchmarks that speak HTTP to it)
 
     @classmethod
     def of_runtime(cls, rt: Any) -> Target:

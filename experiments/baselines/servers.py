@@ -193,7 +193,7 @@ class OpenAIServerSystem(System):
                 time.sleep(1.0)
             tokenizer = load_tokenizer(model)
             backend = ServedBaseline(f"{base}/v1", self.name, get_chat_template_from_tokenizer(tokenizer), tokenizer)
-            yield Target(backend=backend, flush=lambda: self.flush(base))
+            yield Target(backend=backend, flush=lambda: self.flush(base), url=base)
             Path(log.name).unlink(missing_ok=True)  # kept only when the server failed
         finally:
             for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
