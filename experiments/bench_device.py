@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-extend", action="store_true")
     p.add_argument("--skip-native-timing", action="store_true", help="don't time the reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--page-size", type=int, default=1, help="KV pages of this many slots: the kernels read page tables")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in Pallas interpret mode (any backend)")
     steps = p.add_argument_group("whole engine steps on a Llama-3-8B-shaped model (bench_device_steps.py)")
     steps.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
@@ -79,12 +80,14 @@ def parse_args(argv=None):
     return args
 
 
-def make_batch(key, *, batch, context, new, q_heads, kv_heads, head_dim, dtype):
-    """Pool with ``batch * context`` used slots in shuffled order (+ the dummy slot 0), and metadata."""
-    num_slots = batch * context + 1
+def make_batch(key, *, batch, context, new, q_heads, kv_heads, head_dim, dtype, page_size=1):
+    """Pool with ``batch * context`` used slots in shuffled order (+ the dummy slot 0), and metadata; with
+    ``page_size > 1``, shuffled pages of that many slots (+ page 0, the dummy's) and a page table."""
+    pages_each = -(-context // page_size)
+    num_slots = (batch * pages_each + 1) * page_size
     kq, kk, kv, kp = jax.random.split(key, 4)
-    slots = 1 + jax.random.permutation(kp, batch * context).astype(jnp.int32)
-    block_table = slots.reshape(batch, context)
+    pages = 1 + jax.random.permutation(kp, batch * pages_each).astype(jnp.int32)
+    block_table = pages.reshape(batch, pages_each)
     k_pool = jax.random.normal(kk, (kv_heads, num_slots, head_dim), jnp.float32).astype(dtype)
     v_pool = jax.random.normal(kv, (kv_heads, num_slots, head_dim), jnp.float32).astype(dtype)
     tokens = batch * new
@@ -98,6 +101,7 @@ def make_batch(key, *, batch, context, new, q_heads, kv_heads, head_dim, dtype):
         block_table=block_table,
         kv_lens=kv_lens,
         max_q_len=new,
+        page_size=page_size,
     )
     return q, k_pool, v_pool, meta
 
@@ -128,6 +132,7 @@ def check(kind, batch, args, kv_heads, dtype_name, interpret):
         kv_heads=kv_heads,
         head_dim=args.head_dim,
         dtype=jnp.float32 if quantized else dtype,
+        page_size=args.page_size,
     )
     if quantized:
         q = q.astype(dtype)

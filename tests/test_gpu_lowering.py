@@ -80,6 +80,17 @@ def test_step_lowers_for_cuda_with_triton_kernels_and_pools_in_place(name):
         assert text.count("jsgl_paged_extend_bq16_g4_bk64") >= 32
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_page_table_step_lowers_for_cuda_with_the_paged_kernels(name):
+    """Pages of 16 slots (`--page-size 16`): the step's block table is 32 pages a request, not 512 slots, and
+    each layer's kernel gathers its K/V block's 4 pages from it."""
+    layout = LAYOUTS[name]._replace(page_size=16)
+    assert layout.table_width == 32
+    text = lowered_step(layout, "cuda")
+    assert summary(text) == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 1}
+    assert text.count("_bk64_pg16") >= 32 if name == "extend" else text.count("_pg16") >= 32
+
+
 def test_int8_kv_step_lowers_for_cuda_with_its_pools_in_place():
     """kv_dtype int8 on a bfloat16 model: still one Triton kernel a layer, and all 128 pool buffers (int8 rows
     and scales of K and V, 32 layers) donated."""

@@ -172,6 +172,59 @@ def test_extend_single_block_tiles():
     assert_close(out, ref)
 
 
+# ------------------------------------------------------------------------------------------------ page tables
+
+
+def paged(case, page_size, seed=0):
+    """The same batch over a pool of pages: each request owns shuffled whole pages of ``page_size`` slots (page 0
+    holds the dummy slot), the table holds pages. Returns (q, k_pool, v_pool, page meta, slot meta): the slot
+    meta is the page table expanded here in numpy, for the reference."""
+    q, k_pool, _, meta = case
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(meta.kv_lens)
+    pages_of = [-(-int(n) // page_size) for n in kv_lens]
+    width = max(pages_of) + 1  # one more page than the longest request needs: padding pages too
+    order = rng.permutation(np.arange(1, sum(pages_of) + 3))
+    table, off = np.zeros((len(kv_lens), width), np.int32), 0
+    for b, n in enumerate(pages_of):
+        table[b, :n] = order[off: off + n]
+        off += n
+    num_slots = (int(order.max()) + 1) * page_size
+    shape = (k_pool.shape[0], num_slots, HEAD_DIM)
+    k_pool = jnp.asarray(rng.standard_normal(shape), k_pool.dtype)
+    v_pool = jnp.asarray(rng.standard_normal(shape), k_pool.dtype)
+    slots = (table[:, :, None] * page_size + np.arange(page_size)).reshape(len(kv_lens), -1)
+    page_meta = dataclasses.replace(meta, block_table=jnp.asarray(table), page_size=page_size)
+    slot_meta = dataclasses.replace(meta, block_table=jnp.asarray(slots))
+    assert np.array_equal(np.asarray(page_meta.slot_table()), slots)
+    return q, k_pool, v_pool, page_meta, slot_meta
+
+
+@pytest.mark.parametrize("page_size", [4, extra(16)])  # 16 > block_k: the KV block grows to one page
+def test_decode_reads_page_tables(page_size):
+    q, k, v, pages, slots = paged(make_case(21, 9, 3, [1, 5, 8, 37, 0, 19], [1, 1, 1, 1, 0, 1], extra_tokens=2),
+                                  page_size)
+    ref = reference(q, k, v, slots)
+    assert_close(reference(q, k, v, pages), ref)  # the native path expands the table
+    assert_close(run(paged_decode_attention, q, k, v, pages, block_k=8, num_splits=2), ref)
+
+
+@pytest.mark.parametrize("page_size", [4, extra(16)])
+def test_extend_reads_page_tables(page_size):
+    q_lens, prefixes = [1, 9, 0, 3, 6], [4, 0, 0, 13, 2]
+    kv_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    q, k, v, pages, slots = paged(make_case(22, 9, 3, kv_lens, q_lens, gap=1, extra_tokens=3), page_size)
+    ref = reference(q, k, v, slots)
+    assert_close(reference(q, k, v, pages), ref)
+    assert_close(run(paged_extend_attention, q, k, v, pages, block_q=4, block_k=8), ref)
+
+
+def test_page_size_must_divide_the_kv_block():
+    q, k, v, pages, _ = paged(make_case(23, 4, 2, [9, 3], [1, 1]), 4)
+    with pytest.raises(ValueError, match="page_size"):
+        run(paged_decode_attention, q, k, v, dataclasses.replace(pages, page_size=3), block_k=8)
+
+
 # ------------------------------------------------------------------------------------------------ dispatcher
 
 

@@ -161,15 +161,16 @@ def test_logits_and_greedy_match_transformers(checkpoints, family):
             engine.shutdown()
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("family", ["mistral"])
-def test_pallas_backend_honours_the_window(checkpoints, family):
+def test_pallas_backend_honours_the_window(checkpoints, family, page_size):
     # The GPU backend's kernels (here in Pallas interpret mode) mask the window themselves, in 16-token extends
-    # and in decode past the window.
+    # and in decode past the window; with pages of 4 slots they read the engine's page tables.
     folder, model = checkpoints[family]
     tokenizer = load_tokenizer(folder)
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
     engine = Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, attention_backend="pallas",
-                    matmul_backend="xla")
+                    matmul_backend="xla", page_size=page_size)
     try:
         outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
         assert [out.token_ids for out in outs] == expected

@@ -111,7 +111,7 @@ class Engine:
                                   attention_backend=attention, matmul_backend=matmul, kv_dtype=self.kv_dtype,
                                   weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
                                   max_context=self.max_context,
-                                  tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs)
+                                  tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size)
         del params
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(

@@ -132,7 +132,8 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: Any, num_slots: int, *,
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
-                 max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False):
+                 max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False,
+                 page_size: int = 1):
         """``params``: host arrays, placed here (sharded under ``tp``), or with ``params_placed`` already on their
         devices and shards (the engine's loader puts them there tensor by tensor)."""
         self.config = config
@@ -152,6 +153,9 @@ class ModelRunner:
                      max(config.layer_windows))
         self.max_context = max_context or config.max_position_embeddings
         self.num_slots = num_slots
+        # The pool's pages (the allocator's): block tables hold one entry per page, page p being slots
+        # [p * page_size, (p + 1) * page_size); the Pallas kernels read them so, the other paths expand them.
+        self.page_size = page_size
         # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed
         # with NamedShardings; the forward runs with the padded config (see jsgl.model.sharding).
         self.tp = TensorParallel.create(config, tp) if tp > 1 else None
@@ -231,7 +235,7 @@ class ModelRunner:
         is_decode = all(len(it.token_ids) == 1 for it in items) and prompt_top_k < 0
         q_lens = [len(it.token_ids) for it in items]
         kv_lens = [it.start_pos + q for it, q in zip(items, q_lens)]
-        layout = StepLayout(*self.step_shape(n, sum(q_lens), max(q_lens), max(kv_lens), is_decode))
+        layout = StepLayout(*self.step_shape(n, sum(q_lens), max(q_lens), max(kv_lens), is_decode), self.page_size)
         if after is not None and (not is_decode or after.layout != layout):
             raise ValueError("a step dispatched after another must be a decode step of the same layout")
         packed = new_packed(layout, self.config.vocab_size)
@@ -245,7 +249,11 @@ class ModelRunner:
             if it.target_ids is not None:
                 rows["target_ids"][sl] = it.target_ids
             rows["q_start"][b], rows["q_len"][b], rows["kv_lens"][b] = offset, m, kv_len
-            rows["block_table"][b, :kv_len] = it.slots[:kv_len]
+            if self.page_size == 1:
+                rows["block_table"][b, :kv_len] = it.slots[:kv_len]
+            else:  # a request's slots come in whole pages: each page's first slot names it
+                pages = -(-kv_len // self.page_size)
+                rows["block_table"][b, :pages] = it.slots[: pages * self.page_size: self.page_size] // self.page_size
             rows["sample_index"][b] = offset + m - 1
             offset += m
         if after is not None:
@@ -254,7 +262,7 @@ class ModelRunner:
         previous = after.tokens if after is not None else self._neutral("previous_tokens", layout.num_b)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
-        signature = (*layout, prompt_k)
+        signature = (*layout[:4], prompt_k)
         self._count_signature(signature)
         args = (self.params, self.kv, packed.ints, packed.floats, *arrays, previous)
         compiled = self._executables.get(signature)
@@ -290,7 +298,7 @@ class ModelRunner:
         ``run`` then dispatches to them, and counts a signature met outside them as unplanned."""
         for signature in signatures:
             if signature not in self._executables:
-                layout = StepLayout(*signature[:4])
+                layout = StepLayout(*signature[:4], self.page_size)
                 self._executables[signature] = self._step.lower(
                     *self._abstract_args(layout), layout=layout, prompt_top_k=signature[4]).compile()
                 self._count_signature(signature)
@@ -301,7 +309,7 @@ class ModelRunner:
     def _run_padding(self, signature: tuple) -> None:
         """Execute a compiled step once on padding (every write goes to reserved slot 0): an executable's
         first run pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer)."""
-        layout = StepLayout(*signature[:4])
+        layout = StepLayout(*signature[:4], self.page_size)
         packed = new_packed(layout, self.config.vocab_size)
         arrays = [self._neutral(kind, layout.num_b)
                   for kind in ("bitmask", "logit_bias", "repetition_scale", "previous_tokens")]

@@ -26,16 +26,23 @@ FLOAT_ROWS = ("temperature", "top_p", "min_p")
 
 
 class StepLayout(NamedTuple):
-    """The padded shape of a step: tokens T, requests B, new tokens per request S, attended length L."""
+    """The padded shape of a step: tokens T, requests B, new tokens per request S, attended length L; and the
+    KV pool's page size, which makes the block table ``[B, ceil(L / page_size)]`` pages (fixed per engine)."""
 
     num_t: int
     num_b: int
     max_q: int
     max_l: int
+    page_size: int = 1
+
+    @property
+    def table_width(self) -> int:
+        return -(-self.max_l // self.page_size)
 
     @property
     def num_ints(self) -> int:
-        return len(TOKEN_ROWS) * self.num_t + len(REQUEST_ROWS) * self.num_b + self.num_b * self.max_l + len(FLAG_NAMES)
+        return (len(TOKEN_ROWS) * self.num_t + len(REQUEST_ROWS) * self.num_b + self.num_b * self.table_width
+                + len(FLAG_NAMES))
 
     @property
     def num_floats(self) -> int:
@@ -55,8 +62,9 @@ class PackedStep(NamedTuple):
             out[name], offset = self.ints[offset: offset + t], offset + t
         for name in REQUEST_ROWS:
             out[name], offset = self.ints[offset: offset + b], offset + b
-        out["block_table"] = self.ints[offset: offset + b * layout.max_l].reshape(b, layout.max_l)
-        out["flags"] = self.ints[offset + b * layout.max_l:]
+        width = layout.table_width
+        out["block_table"] = self.ints[offset: offset + b * width].reshape(b, width)
+        out["flags"] = self.ints[offset + b * width:]
         for i, name in enumerate(FLOAT_ROWS):
             out[name] = self.floats[i * b: (i + 1) * b]
         return out
@@ -83,11 +91,12 @@ def unpack(ints: jax.Array, floats: jax.Array, bitmask: Any, logit_bias: Any, re
         parts[name], offset = ints[offset: offset + t], offset + t
     for name in REQUEST_ROWS:
         parts[name], offset = ints[offset: offset + b], offset + b
-    block_table = ints[offset: offset + b * layout.max_l].reshape(b, layout.max_l)
-    flags = ints[offset + b * layout.max_l:] != 0
+    width = layout.table_width
+    block_table = ints[offset: offset + b * width].reshape(b, width)
+    flags = ints[offset + b * width:] != 0
     temperature, top_p, min_p = (floats[i * b: (i + 1) * b] for i in range(len(FLOAT_ROWS)))
     meta = AttentionMetadata(parts["positions"], parts["q_start"], parts["q_len"], block_table, parts["kv_lens"],
-                             layout.max_q)
+                             layout.max_q, page_size=layout.page_size)
     sampling = SamplingInputs(temperature, top_p, parts["top_k"], min_p,
                               jax.lax.bitcast_convert_type(parts["seeds"], jnp.uint32), parts["steps"],
                               bitmask, logit_bias, repetition_scale, flags, top_logprobs=top_logprobs)

@@ -2,7 +2,8 @@
 
 The model writes the new tokens' K/V into the pool first, then calls ``paged_attention``: each query
 attends to its request's slots ``block_table[b, :kv_lens[b]]`` up to (and including) its own position.
-Because ``block_table[b, j]`` holds the slot of position ``j``, "causal over the new tokens" and "full
+Because ``block_table[b, j]`` holds the slot of position ``j`` (with pages of ``page_size > 1`` slots, the
+table holds each page and ``slot_table()`` expands it), "causal over the new tokens" and "full
 over the cached prefix" are the same mask: ``j <= position``. Prefill, extend-after-prefix and decode
 (``max_q_len == 1``) are therefore one function. A sliding window ``W`` (Mistral; Qwen2/3's windowed layers)
 adds ``position - j < W``: each query sees its last ``W`` positions, itself included (transformers'
@@ -38,16 +39,30 @@ class AttentionMetadata:
     positions: jax.Array  # [T] int32, absolute position of each new token in its sequence
     q_start: jax.Array  # [B] int32, index of a request's first new token in the flat batch
     q_len: jax.Array  # [B] int32, number of new tokens of a request (0 for padding rows)
-    block_table: jax.Array  # [B, L] int32, pool slot of each position of each request (pad: 0)
+    # [B, L / page_size] int32: at page size 1 the pool slot of each position of each request (pad: 0); else the
+    # page of each page_size positions, page p holding slots [p * page_size, (p + 1) * page_size) (`slot_table`).
+    block_table: jax.Array
     kv_lens: jax.Array  # [B] int32, positions cached after this step (prefix + new)
     max_q_len: int = dataclasses.field(metadata=dict(static=True), default=1)  # S, static bucket
     # Keys with ``position - j >= sliding_window`` are masked; None: full causal attention. Static: the model
     # sets it per layer (jsgl.model.llama.forward_hidden), so unwindowed models trace exactly as before.
     sliding_window: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
+    # Positions per entry of `block_table` (the pool's pages; static). The Pallas kernels read the page table as it
+    # is; the other paths attend over `slot_table()`.
+    page_size: int = dataclasses.field(metadata=dict(static=True), default=1)
+
     @property
     def is_decode(self) -> bool:
         return self.max_q_len == 1
+
+    def slot_table(self) -> jax.Array:
+        """[B, L]: the pool slot of each position (the page table expanded; the table itself at page size 1)."""
+        if self.page_size == 1:
+            return self.block_table
+        batch, pages = self.block_table.shape
+        within = jnp.arange(self.page_size, dtype=self.block_table.dtype)
+        return (self.block_table[:, :, None] * self.page_size + within).reshape(batch, pages * self.page_size)
 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata, float], jax.Array]
@@ -92,13 +107,14 @@ def _native_decode_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
-    batch = meta.block_table.shape[0]
+    table = meta.slot_table()
+    batch = table.shape[0]
     qg = jnp.take(q, meta.q_start, axis=0, mode="clip")
     qg = qg.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    k = kv_quant.gather(k_pool, meta.block_table)  # [Hkv, B, L, D]
-    v = kv_quant.gather(v_pool, meta.block_table)
+    k = kv_quant.gather(k_pool, table)  # [Hkv, B, L, D]
+    v = kv_quant.gather(v_pool, table)
     scores = jnp.einsum("bhgd,hbld->bhgl", qg.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
-    key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
+    key_pos = jnp.arange(table.shape[1], dtype=jnp.int32)
     visible = key_pos[None, :] < meta.kv_lens[:, None]
     if meta.sliding_window is not None:  # the new token is position kv_len - 1: keys from kv_len - W on
         visible &= key_pos[None, :] >= meta.kv_lens[:, None] - meta.sliding_window
@@ -126,7 +142,8 @@ def native_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[0]
     group = num_q_heads // num_kv_heads
-    batch = meta.block_table.shape[0]
+    table = meta.slot_table()
+    batch = table.shape[0]
 
     tok_idx = _padded_token_index(meta, num_tokens)  # [B, S]
     qp = jnp.take(q, tok_idx, axis=0, mode="fill", fill_value=0)  # [B, S, Hq, D]
@@ -134,10 +151,10 @@ def native_paged_attention(
     qp = qp.reshape(batch, meta.max_q_len, num_kv_heads, group, head_dim)
     qp = qp.transpose(2, 3, 0, 1, 4)  # [Hkv, G, B, S, D] head-major
 
-    k = kv_quant.gather(k_pool, meta.block_table)  # [Hkv, B, L, D]
-    v = kv_quant.gather(v_pool, meta.block_table)
+    k = kv_quant.gather(k_pool, table)  # [Hkv, B, L, D]
+    v = kv_quant.gather(v_pool, table)
     scores = jnp.einsum("hgbsd,hbld->hgbsl", qp.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
-    key_pos = jnp.arange(meta.block_table.shape[1], dtype=jnp.int32)
+    key_pos = jnp.arange(table.shape[1], dtype=jnp.int32)
     mask = (key_pos[None, None, :] <= pos[:, :, None]) & (key_pos[None, None, :] < meta.kv_lens[:, None, None])
     if meta.sliding_window is not None:
         mask &= key_pos[None, None, :] > pos[:, :, None] - meta.sliding_window

@@ -231,7 +231,7 @@ def _kernel_serves(q: jax.Array, k_pool: jax.Array, meta: AttentionMetadata) -> 
 
 
 def _metadata_args(meta: AttentionMetadata) -> tuple[jax.Array, ...]:
-    return meta.positions, meta.block_table, meta.kv_lens, meta.q_start, meta.q_len
+    return meta.positions, meta.slot_table(), meta.kv_lens, meta.q_start, meta.q_len
 
 
 def cpu_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata,

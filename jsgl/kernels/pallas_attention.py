@@ -1,4 +1,4 @@
-"""Pallas paged-attention kernels over the token-granular KV pool (the "pallas" attention backend).
+"""Pallas paged-attention kernels over the KV pool (the "pallas" attention backend).
 
 Same contract as :func:`jsgl.kernels.attention.native_paged_attention`: ``q [T, Hq, D]``, per-layer pools
 ``k_pool, v_pool [Hkv, N, D]`` (slot 0 is a reserved dummy), :class:`AttentionMetadata`; returns
@@ -36,6 +36,13 @@ whole per-head pool block with an integer-array index ``k_ref[slots, :]``. In th
 that is a pointer-tensor gather ``base + slot * D + d`` (``tt.load`` on a ``[block_k, D]`` pointer tensor,
 same mechanism as ``jax.experimental.pallas.ops.gpu.paged_attention``'s ``k_pages_ref[block_tables]``);
 in interpret mode it discharges to an XLA gather. No K/V is copied outside the kernel.
+
+**Page tables** (``meta.page_size = P > 1``, the engine's ``--page-size``): the table holds each request's
+pages, page ``p`` being slots ``[p * P, (p + 1) * P)``, so it is ``P`` times narrower (a step's table at 8192
+positions: 512 entries a request at ``P = 16`` instead of 8192). A KV block is whole pages (``block_k`` a
+multiple of ``P``, raised to ``P`` if smaller); its ``block_k / P`` page numbers are gathered from the table
+row (``bt_ref[key_pos // P]``, the same 1-D gather as the 8-bit format's scales) and its slots are
+``page * P + key_pos % P``: ``P`` consecutive rows of the pool per page.
 
 **8-bit KV** (``jsgl.kernels.kv_quant.Int8Pool``): the kernels take the int8 pools and their ``[N]`` per-token
 scales as two more inputs, gather the scales with the same slots and dequantize each gathered block to the
@@ -110,27 +117,43 @@ def _dot(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     )
 
 
-def _pad_table(block_table: jax.Array, block_k: int) -> jax.Array:
-    """Pad the slot table's width to a multiple of ``block_k`` with the dummy slot 0."""
+def _pad_table(block_table: jax.Array, entries: int) -> jax.Array:
+    """Pad the table's width to a multiple of ``entries`` (a KV block's: block_k slots or block_k / page_size
+    pages) with slot 0 (or page 0, which holds it): the dummy."""
     width = block_table.shape[1]
-    padded = pl.cdiv(max(width, 1), block_k) * block_k
+    padded = pl.cdiv(max(width, 1), entries) * entries
     if padded != width:
         block_table = jnp.pad(block_table, ((0, 0), (0, padded - width)))
     return block_table.astype(jnp.int32)
 
 
-def _gather_kv(bt_ref, kv_refs, first_key, length, block_k: int, dtype):
+def _gather_kv(bt_ref, kv_refs, first_key, length, block_k: int, dtype, page_size: int = 1):
     """Slots and K/V rows ``[block_k, D]`` of positions ``first_key + [0, block_k)`` (invalid -> slot 0).
-    ``kv_refs``: (k, v) of a plain pool, or (k, v, k scales, v scales) of the 8-bit format, whose rows are
-    dequantized here to ``dtype`` (the query's): the int8 rows are what crosses memory."""
+    ``bt_ref``: the request's slot table, or with ``page_size > 1`` its page table (the block's
+    ``block_k / page_size`` pages gathered, each page ``page_size`` consecutive slots). ``kv_refs``: (k, v) of a
+    plain pool, or (k, v, k scales, v scales) of the 8-bit format, whose rows are dequantized here to ``dtype``
+    (the query's): the int8 rows are what crosses memory."""
     key_pos = first_key + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    slots = bt_ref[pl.ds(first_key, block_k)]
+    if page_size == 1:
+        slots = bt_ref[pl.ds(first_key, block_k)]
+    else:
+        slots = bt_ref[key_pos // page_size] * page_size + key_pos % page_size
     slots = jnp.where(key_pos < length, slots, 0)
     k, v = kv_refs[0][slots, :], kv_refs[1][slots, :]
     if len(kv_refs) == 4:
         k = (k.astype(jnp.float32) * kv_refs[2][slots][:, None]).astype(dtype)
         v = (v.astype(jnp.float32) * kv_refs[3][slots][:, None]).astype(dtype)
     return key_pos, k, v
+
+
+def _suffix(kv: list[jax.Array], page_size: int) -> str:
+    """Kernel-name suffix: the 8-bit KV format, page-granular tables."""
+    return ("_int8" if len(kv) == 4 else "") + (f"_pg{page_size}" if page_size > 1 else "")
+
+
+def _check_pages(page_size: int, block_k: int) -> None:
+    if not _is_pow2(page_size) or block_k % page_size:
+        raise ValueError(f"page_size={page_size} must be a power of two dividing block_k={block_k}")
 
 
 def _kv_operands(k_pool: KVPool, v_pool: KVPool) -> list[jax.Array]:
@@ -178,12 +201,13 @@ def _decode_kernel(
     start_ref,  # [1] int32: keys [start, len) of this request (start > 0 only under a sliding window)
     len_ref,  # [1] int32
     q_ref,  # [block_h, D]
-    bt_ref,  # [Lp] int32: this request's slot table, zero padded
+    bt_ref,  # [Lp] int32: this request's slot table (or page table), zero padded
     *refs,  # k, v [N, D] (this KV head's pool; and their [N] scales in the 8-bit format), then the outputs:
     # o [block_h, D] float32 un-normalised, m [block_h] float32 running max, l [block_h] float32 running sum
     scale: float,
     block_k: int,
     num_splits: int,
+    page_size: int,
 ):
     kv_refs, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
     split = pl.program_id(2)
@@ -199,7 +223,7 @@ def _decode_kernel(
     count = jnp.maximum(jnp.minimum(mine + per_split, num_blocks) - mine, 0)
 
     def body(i, carry):
-        key_pos, k, v = _gather_kv(bt_ref, kv_refs, (first + i) * block_k, length, block_k, q.dtype)
+        key_pos, k, v = _gather_kv(bt_ref, kv_refs, (first + i) * block_k, length, block_k, q.dtype, page_size)
         return _online_softmax_block(carry, q, k, v, ((key_pos < length) & (key_pos >= start))[None, :], scale)
 
     acc, m_run, l_run = lax.fori_loop(0, count, body, _online_softmax_init(block_h, head_dim))
@@ -212,13 +236,14 @@ def _decode_partials(
     q_grp: jax.Array,  # [B, Hkv, block_h, D]
     k_pool: KVPool,
     v_pool: KVPool,
-    block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
+    block_table: jax.Array,  # [B, Lp] int32, Lp * page_size % block_k == 0
     starts: jax.Array,  # [B] int32
     lengths: jax.Array,  # [B] int32
     *,
     scale: float,
     block_k: int,
     num_splits: int,
+    page_size: int,
     interpret: bool,
     num_warps: int,
     num_stages: int,
@@ -227,7 +252,8 @@ def _decode_partials(
     batch, num_kv_heads, block_h, head_dim = q_grp.shape
     kv = _kv_operands(k_pool, v_pool)
     width = block_table.shape[1]
-    kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, num_splits=num_splits)
+    kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, num_splits=num_splits,
+                               page_size=page_size)
     part = (num_splits, batch, num_kv_heads, block_h)
     return pl.pallas_call(
         kernel,
@@ -251,7 +277,7 @@ def _decode_partials(
         ],
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}{'_int8' if len(kv) == 4 else ''}",
+        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}{_suffix(kv, page_size)}",
     )(starts, lengths, q_grp, block_table, *kv)
 
 
@@ -296,7 +322,10 @@ def paged_decode_attention(
     group = num_q_heads // num_kv_heads
     if group * num_kv_heads != num_q_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    batch, width = meta.block_table.shape
+    page_size = meta.page_size
+    block_k = max(block_k, page_size)  # a KV block is whole pages
+    _check_pages(page_size, block_k)
+    batch, width = meta.block_table.shape[0], meta.block_table.shape[1] * page_size  # in positions
     if block_h is None:
         block_h = max(pl.next_power_of_2(group), 1 if interpret else _MIN_DOT)
     if block_h < group:
@@ -324,12 +353,13 @@ def paged_decode_attention(
         q_grp,
         k_pool,
         v_pool,
-        _pad_table(meta.block_table, block_k),
+        _pad_table(meta.block_table, block_k // page_size),
         starts,
         lengths,
         scale=scale,
         block_k=block_k,
         num_splits=num_splits,
+        page_size=page_size,
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -351,7 +381,7 @@ def _extend_kernel(
     kvl_ref,  # [1] int32 kv_len[b]
     pos_ref,  # [T * Gp] int32 positions, each repeated for the group's Gp rows
     q_ref,  # [T * Gp, D]: all tokens, this KV head's (padded) group of query heads, row t * Gp + g
-    bt_ref,  # [Lp] int32: this request's slot table
+    bt_ref,  # [Lp] int32: this request's slot table (or page table)
     *refs,  # k, v [N, D] of this KV head (and their [N] scales in the 8-bit format); then
     # o [T * Gp, D], laid out as q
     scale: float,
@@ -359,6 +389,7 @@ def _extend_kernel(
     block_k: int,
     group: int,
     window: int | None,
+    page_size: int,
 ):
     kv_refs, o_ref = refs[:-1], refs[-1]
     q_block = pl.program_id(2)
@@ -384,7 +415,7 @@ def _extend_kernel(
             first_block = jnp.minimum(jnp.maximum(first_pos + 1 - window, 0) // block_k, num_blocks)
 
         def body(i, carry):
-            key_pos, k, v = _gather_kv(bt_ref, kv_refs, i * block_k, kv_len, block_k, q.dtype)
+            key_pos, k, v = _gather_kv(bt_ref, kv_refs, i * block_k, kv_len, block_k, q.dtype, page_size)
             valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)  # causal + in range
             if window is not None:
                 valid &= key_pos[None, :] > pos[:, None] - window
@@ -403,7 +434,7 @@ def _extend_call(
     q_start: jax.Array,  # [B] int32
     q_len: jax.Array,  # [B] int32
     kv_lens: jax.Array,  # [B] int32
-    block_table: jax.Array,  # [B, Lp] int32, Lp % block_k == 0
+    block_table: jax.Array,  # [B, Lp] int32, Lp * page_size % block_k == 0
     *,
     max_q_len: int,
     scale: float,
@@ -411,6 +442,7 @@ def _extend_call(
     block_k: int,
     group: int,
     window: int | None,
+    page_size: int,
     interpret: bool,
     num_warps: int,
     num_stages: int,
@@ -420,7 +452,7 @@ def _extend_call(
     kv = _kv_operands(k_pool, v_pool)
     batch, width = block_table.shape
     kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, group=group,
-                               window=window)
+                               window=window, page_size=page_size)
     per_req = lambda b, h, i: (b,)
     row_spec = pl.BlockSpec((None, num_rows, head_dim), lambda b, h, i: (h, 0, 0))
     return pl.pallas_call(
@@ -439,7 +471,7 @@ def _extend_call(
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_extend_bq{block_q}_g{group}_bk{block_k}{'_int8' if len(kv) == 4 else ''}",
+        name=f"jsgl_paged_extend_bq{block_q}_g{group}_bk{block_k}{_suffix(kv, page_size)}",
     )(q_start, q_len, kv_lens, pos_rows, q_rows, block_table, *kv)
 
 
@@ -468,7 +500,10 @@ def paged_extend_attention(
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_q_heads // num_kv_heads
     padded_group = pl.next_power_of_2(group)
-    batch, width = meta.block_table.shape
+    page_size = meta.page_size
+    block_k = max(block_k, page_size)  # a KV block is whole pages
+    _check_pages(page_size, block_k)
+    width = meta.block_table.shape[1] * page_size  # in positions
     # No point in query tiles (much) taller than the longest request; on GPU the tile's rows feed tl.dot (>= 16).
     block_q = block_q or max(64 // padded_group, 1)
     block_q = min(block_q, pl.next_power_of_2(meta.max_q_len))
@@ -496,13 +531,14 @@ def paged_extend_attention(
         meta.q_start.astype(jnp.int32),
         q_len,
         kv_lens,
-        _pad_table(meta.block_table, block_k),
+        _pad_table(meta.block_table, block_k // page_size),
         max_q_len=meta.max_q_len,
         scale=scale,
         block_q=block_q,
         block_k=block_k,
         group=padded_group,
         window=meta.sliding_window,
+        page_size=page_size,
         interpret=interpret,
         num_warps=num_warps,
         num_stages=num_stages,
