@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nMMLU 5-shot, {len(prompts)} questions ({args.questions} x {len(SUBJECTS)} subjects), one request, "
           f"max_tokens 1; first round (warm-up) | median of the other {args.rounds - 1}")
-    print(f"{'system':>6} {'wall s: 1st | rest':>18} {'prompt tok':>10} {'computed':>9} {'computed tok/s: 1st | rest':>26}")
+    print(f"{'system':>6} {'wall s: 1st | rest':>18} {'prompt tok':>10} {'computed':>9} "
+          f"{'computed tok/s: 1st | rest':>26}")
     summary: dict[str, Any] = {}
     for name, samples in rounds.items():
         first, rest = samples[0], samples[1:] or samples
