@@ -180,6 +180,13 @@ def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
         paged.shutdown()
 
 
+def test_pallas_page_size_must_be_a_power_of_two():
+    """The Pallas kernels gather whole pages per K/V block: a page size they cannot read is refused at start,
+    not failed on every request."""
+    with pytest.raises(ValueError, match="power of two"):
+        Engine(model="smollm2-135m", num_kv_slots=192, page_size=3, attention_backend="pallas")
+
+
 def test_memory_pressure_retracts_and_completes():
     """A pool too small for every request at once still finishes all of them, correctly."""
     small = Engine(model="smollm2-135m", num_kv_slots=192, prefix_cache="none", max_running_requests=8)

@@ -148,7 +148,8 @@ def child_main(out_path: str) -> None:
         outs = engine.generate(prompts, {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
                                progress=False)
         result["engine"] = {"token_ids": [o.token_ids for o in outs], "texts": [o.text for o in outs],
-                            "k_pool": _shapes(engine.runner.kv[0][0]), "seconds": time.perf_counter() - start}
+                            "k_pool": _shapes(engine.runner.kv[0][0]), "seconds": time.perf_counter() - start,
+                            "overlapped_steps": engine.stats()["overlapped_steps"]}
     finally:
         engine.shutdown()
     try:
@@ -291,6 +292,7 @@ if __name__ != "__main__":
         assert eng["token_ids"] == tp_run["tp1"]["greedy"]  # the engine at tp=2 == the runner at tp=1
         assert all(text for text in eng["texts"])
         assert eng["k_pool"] == [[2, 512, 64]] * 2
+        assert eng["overlapped_steps"] > 0  # decode steps dispatched behind sharded ones, tokens taken on device
 
     def test_too_many_devices_is_a_clear_error(tp_run: dict[str, Any]) -> None:
         assert "tp=8 needs 8 local devices but only 4" in tp_run["too_many_error"]

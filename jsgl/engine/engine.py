@@ -503,6 +503,11 @@ class Engine:
                  for s in batch.seqs]
         if not any(going) or bucket(sum(going)) < pending.layout.num_b:  # a smaller batch would do: schedule afresh
             return None
+        # Where attention is padded, the attended length is a bucket: crossing one (64 -> 65 keys) changes the
+        # step's shape, and the next step is scheduled afresh.
+        longest = max(s.num_tokens + 1 if go else 1 for s, go in zip(batch.seqs, going))
+        if self.runner.step_shape(len(items), len(items), 1, longest, True) != tuple(pending.layout[:4]):
+            return None
         next_items = []
         for seq, item, go in zip(batch.seqs, items, going):
             if not go:
@@ -520,7 +525,7 @@ class Engine:
                 raise
             log.warning("an overlapped decode step could not be dispatched; continuing without", exc_info=True)
             return None
-        self.scheduler.count_step(batch)
+        self.scheduler.count_step(True, sum(going))
         self.overlapped_steps += 1
         return Overlapped(Batch(True, list(batch.seqs), [1] * len(batch.seqs)), next_items,
                           [i for i, go in enumerate(going) if go], following)

@@ -156,6 +156,9 @@ class ModelRunner:
         # The pool's pages (the allocator's): block tables hold one entry per page, page p being slots
         # [p * page_size, (p + 1) * page_size); the Pallas kernels read them so, the other paths expand them.
         self.page_size = page_size
+        if self.attention_backend == "pallas" and page_size & (page_size - 1):
+            raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
+                             "size must be a power of two (1, 2, 4, ..., 64)")
         # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed
         # with NamedShardings; the forward runs with the padded config (see jsgl.model.sharding).
         self.tp = TensorParallel.create(config, tp) if tp > 1 else None

@@ -148,14 +148,14 @@ class Scheduler:
             batch = self._schedule_extend()
         self._last_was_extend = batch is not None and not batch.is_decode
         if batch is not None:
-            self.count_step(batch)
+            self.count_step(batch.is_decode, len(batch.seqs))
         return batch
 
-    def count_step(self, batch: Batch) -> None:
+    def count_step(self, is_decode: bool, num_requests: int) -> None:
         """Count a step in the stats (also one the engine dispatched without scheduling: overlap)."""
         self.stats.steps += 1
-        self.stats.batched_requests += len(batch.seqs)
-        if batch.is_decode:
+        self.stats.batched_requests += num_requests
+        if is_decode:
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
