@@ -180,6 +180,17 @@ def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
         paged.shutdown()
 
 
+def test_submit_batch_takes_the_clients_ids_all_or_nothing(engine):
+    handles = engine.submit_batch(PROMPTS[:2], [GREEDY] * 2, request_ids=["batch-a", "batch-b"])
+    assert [h.request_id for h in handles] == ["batch-a", "batch-b"]
+    assert [h.result(timeout=120).token_ids for h in handles] == [engine.generate(p, GREEDY).token_ids
+                                                                   for p in PROMPTS[:2]]
+    with pytest.raises(InvalidRequestError):  # the second prompt is too long: neither is queued
+        engine.submit_batch(["ok", "word " * 100_000], [GREEDY] * 2, request_ids=["batch-c", "batch-d"])
+    assert engine.submit("ok", GREEDY, request_id="batch-c").result(timeout=120).finish_reason is not None
+    assert_no_leak(engine)
+
+
 def test_pallas_page_size_must_be_a_power_of_two():
     """The Pallas kernels gather whole pages per K/V block: a page size they cannot read is refused at start,
     not failed on every request."""

@@ -68,10 +68,15 @@ class StubEngine:
         self.calls.append(("submit", request_id))
         return self._make(prompt, sampling_params or {}, request_id)
 
-    def submit_batch(self, prompts, sampling_params):
+    def submit_batch(self, prompts, sampling_params, request_ids=None):
+        """All or nothing, as the engine's: a bad prompt or a length mismatch queues none of them."""
         self.threads.add(threading.current_thread().name)
         self.calls.append(("submit_batch", len(prompts)))
-        return [self._make(p, s, None) for p, s in zip(prompts, sampling_params, strict=True)]
+        ids = request_ids if request_ids is not None else [None] * len(prompts)
+        made = [(p, s, rid) for p, s, rid in zip(prompts, sampling_params, ids, strict=True)]
+        if any(p == self.BAD for p, _, _ in made):
+            raise InvalidRequestError("bad prompt")
+        return [self._make(p, s, rid) for p, s, rid in made]
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -207,7 +212,7 @@ def test_submit_with_rids_uses_them_in_order():
     assert [h._seq.prompt_ids for h in handles] == [[97], [98]]
     assert handles[0]._seq.params.max_new_tokens == 7 and handles[1]._seq.params.temperature == 0.5
     assert handles[1]._seq.params.max_new_tokens == SamplingParams().max_new_tokens
-    assert engine.calls == [("submit", "id-0"), ("submit", "id-1")]
+    assert engine.calls == [("submit_batch", 2)]  # one batch: the scheduler sees every choice in the same step
     assert reg.ids() == ["id-0", "id-1"] and engine.aborted == []
     assert threading.main_thread().name not in engine.threads
 
@@ -216,8 +221,7 @@ def test_submit_with_rids_is_all_or_nothing():
     engine, reg = StubEngine(), RequestRegistry()
     with pytest.raises(InvalidRequestError, match="bad prompt"):
         asyncio.run(submit(engine, reg, ["a", "b", StubEngine.BAD, "d"], [{}] * 4, rids=["k0", "k1", "k2", "k3"]))
-    assert engine.aborted == ["k0", "k1"]  # the ones already queued are aborted ...
-    assert [c[1] for c in engine.calls] == ["k0", "k1", "k2"]  # ... and none after the bad one is queued
+    assert engine.calls == [("submit_batch", 4)] and engine.aborted == []  # one batch: none of it was queued
     assert len(reg) == 0 and reg.client_aborts == 0  # nothing registered, and not a client abort
 
 
@@ -225,7 +229,7 @@ def test_submit_rids_length_mismatch_is_refused():
     engine, reg = StubEngine(), RequestRegistry()
     with pytest.raises(ValueError):
         asyncio.run(submit(engine, reg, ["a", "b"], [{}, {}], rids=["only-one"]))
-    assert engine.aborted == ["only-one"] and len(reg) == 0
+    assert engine.aborted == [] and len(reg) == 0
 
 
 def test_submit_failure_in_batch_registers_nothing():

@@ -191,12 +191,16 @@ class Engine:
         """Queue one request; returns at once. Raises InvalidRequestError on bad input."""
         return self._enqueue([self._make_sequence(prompt, sampling_params, request_id)])[0]
 
-    def submit_batch(self, prompts: list, sampling_params: list) -> list[RequestHandle]:
-        """Queue several requests atomically: the scheduler sees them in the same step."""
+    def submit_batch(self, prompts: list, sampling_params: list,
+                     request_ids: list[str] | None = None) -> list[RequestHandle]:
+        """Queue several requests atomically: the scheduler sees them in the same step. (Submitted one by one,
+        the first of an HTTP request's 64 MMLU prompts started computing alone while the rest were tokenized:
+        0.7 s more of a 5 s batch.) ``request_ids``: the client's ids, one per prompt."""
         seqs: list[Sequence] = []
+        ids = request_ids if request_ids is not None else [None] * len(prompts)
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
-                seqs.append(self._make_sequence(prompt, params, None))
+            for prompt, params, rid in zip(prompts, sampling_params, ids, strict=True):
+                seqs.append(self._make_sequence(prompt, params, rid))
         except BaseException:
             self._release_constraints(seqs)  # all or nothing: no build keeps running for a rejected batch
             raise

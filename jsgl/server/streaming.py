@@ -72,18 +72,8 @@ async def submit(engine: Any, registry: RequestRegistry, prompts: list[Any], par
         raise OverloadedError(f"the server is at its limit of {max_live} concurrent requests "
                               "(--max-concurrent-requests); retry later")
 
-    def run() -> list[Any]:
-        if rids is None:
-            return engine.submit_batch(prompts, params)  # atomic: the scheduler sees the whole batch at once
-        handles: list[Any] = []
-        try:
-            for prompt, p, rid in zip(prompts, params, rids, strict=True):
-                handles.append(engine.submit(prompt, p, request_id=rid))
-        except BaseException:
-            for h in handles:  # all or nothing, like submit_batch
-                h.abort()
-            raise
-        return handles
+    def run() -> list[Any]:  # atomic, all or nothing: the scheduler sees the whole batch at once
+        return engine.submit_batch(prompts, params, request_ids=rids)
 
     handles = await asyncio.to_thread(run)
     registry.add(handles)
