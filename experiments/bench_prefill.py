@@ -7,8 +7,8 @@ Both are OpenAI servers in their own processes on the same model and machine, se
 prompt of the batch in one `/v1/completions` call with `max_tokens: 1`, so the time is prefill (the one sampled
 token is the extend's). Each round empties both systems' prefix caches first, so each round computes every
 subject's few-shot prefix once and reuses it for the subject's other questions, as a warm server would.
-Rounds alternate between the systems (the machine's slow and fast phases hit both alike); the first round of
-each is also its warm-up (compiles) and is reported apart.
+Each system runs its rounds with the other one stopped (an idle vLLM server keeps part of a small machine
+busy); the first round of each is also its warm-up (compiles) and is reported apart.
 
 Per system: wall seconds, prompt tokens, prompt tokens the system computed (prompt tokens minus its prefix-cache
 hits, from `/get_server_info` for jsgl and vLLM's `/metrics` counters), and computed tokens per wall second.
@@ -91,24 +91,25 @@ def main(argv: list[str] | None = None) -> int:
     from jsgl.server.launch import launch_server_process
 
     prompts = [p for s in SUBJECTS for p, _ in mmlu_five_shot(s, args.questions)]
-    systems: dict[str, tuple[str, str, Any, Any]] = {}  # name -> (url, model, flush, counters)
-    with contextlib.ExitStack() as stack:
-        if "jsgl" in args.systems:
-            server = stack.enter_context(launch_server_process(args.model, kv_cache_gb=1.0,
-                                                               precompile=args.precompile))
-            systems["jsgl"] = (server.url, "default", lambda u=server.url: _post(u, "/flush_cache"), jsgl_counters)
-        if "vllm" in args.systems:
-            vllm = get_system("vllm")
-            why = vllm.unavailable() or vllm.refuses(args.model)
-            if why:
-                print(f"skipping vLLM: {why}")
+    rounds: dict[str, list[dict]] = {}
+    # One system up at a time: an idle vLLM server kept ~10% of this 2-core machine busy, which slowed jsgl's
+    # rounds from 5.20 to 5.7-6.0 s when both were up. Each system's rounds run back to back.
+    for name in args.systems:
+        with contextlib.ExitStack() as stack:
+            if name == "jsgl":
+                server = stack.enter_context(launch_server_process(args.model, kv_cache_gb=1.0,
+                                                                   precompile=args.precompile))
+                url, model, counters = server.url, "default", jsgl_counters
+                flush = lambda u=server.url: _post(u, "/flush_cache")  # noqa: E731
             else:
+                vllm = get_system("vllm")
+                why = vllm.unavailable() or vllm.refuses(args.model)
+                if why:
+                    print(f"skipping vLLM: {why}")
+                    continue
                 target = stack.enter_context(vllm.start(args.model))
-                systems["vllm"] = (target.url, SERVED_NAME, target.flush, vllm_counters)
-        rounds: dict[str, list[dict]] = {name: [] for name in systems}
-        for _ in range(args.rounds):
-            for name, (url, model, flush, counters) in systems.items():
-                rounds[name].append(one_round(url, model, prompts, flush, counters))
+                url, model, flush, counters = target.url, SERVED_NAME, target.flush, vllm_counters
+            rounds[name] = [one_round(url, model, prompts, flush, counters) for _ in range(args.rounds)]
 
     print(f"\nMMLU 5-shot, {len(prompts)} questions ({args.questions} x {len(SUBJECTS)} subjects), one request, "
           f"max_tokens 1; first round (warm-up) | median of the other {args.rounds - 1}")
