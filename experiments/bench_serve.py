@@ -1,5 +1,5 @@
 """Serving speed as a user meets it: engine startup; the other benches' workloads on a fresh engine, first run vs
-second; then one mixed workload arriving over time, cold and warm.
+later runs; then one mixed workload arriving over time, cold and warm.
 
     python experiments/bench_serve.py            # or: jsgl bench serve
     python experiments/bench_serve.py --quick    # tiny sizes: a smoke test
@@ -10,9 +10,10 @@ In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). 
 - startup s: constructing a fresh `Engine(**kwargs)` (kv_cache_gb=0.5): model load, weight packing, KV
   pool allocation, and compiling the step shapes `--precompile` plans (default common, as `jsgl serve`; a
   restart loads them from XLA's persistent cache); the number of shapes.
-- workloads (a fresh engine of their own): decode at batch 1 and 16, MMLU 5-shot (4 subjects x 16), JSON by
-  regex (16 requests), each run twice with the cache flushed between: wall seconds of the first and the
-  second run, their ratio, and the step shapes each compiled. The first JSON run also loads (or builds) the
+- workloads (on `--fresh-engines` fresh engines of their own, default 3): decode at batch 1 and 16, MMLU 5-shot
+  (4 subjects x 16), JSON by regex (16 requests), each run 1 + `--later-runs` (3) times with the cache flushed
+  between: wall seconds of the first run and the median of the later ones, their ratio (medians over the
+  engines), and the step shapes compiled. The first JSON run also loads (or builds) the
   regex's token index.
 - The workload: `--num-requests` requests submitted at Poisson arrival times (`--rate` req/s, `--seed`),
   each kind at least once, then half chat turns and a quarter each of the others: a chat turn (ShareGPT
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import threading
 import time
@@ -144,10 +146,11 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
             "tpot_p99_s": pct(tpot, 99), "compiles": engine.stats()["compiles"] - before}
 
 
-def bench_workloads(engine: Any, quick: bool) -> dict[str, dict]:
-    """The other benchmarks' workloads, each run twice on this engine (flushing the cache between): the
-    first run is what a user meets on a fresh server. Decode at batch 1 and 16 (bench_decode's prompts), MMLU
-    5-shot (bench_radix), JSON by regex (bench_json); wall seconds and step shapes compiled per run."""
+def bench_workloads(engine: Any, quick: bool, later_runs: int = 3) -> dict[str, dict]:
+    """The other benchmarks' workloads, each run 1 + ``later_runs`` times on this engine (flushing the cache
+    between): the first run is what a user meets on a fresh server, the later ones' median what it settles to.
+    Decode at batch 1 and 16 (bench_decode's prompts), MMLU 5-shot (bench_radix), JSON by regex (bench_json);
+    wall seconds and step shapes compiled per run."""
     from jsgl.experiments.bench_decode import PROMPTS
     from jsgl.experiments.datasets import mmlu_five_shot
 
@@ -167,26 +170,47 @@ def bench_workloads(engine: Any, quick: bool) -> dict[str, dict]:
     results = {}
     for name, (prompts, params) in workloads.items():
         runs = []
-        for _ in range(2):
+        for _ in range(1 + later_runs):
             engine.flush_cache()
             before = engine.stats()["compiles"]
             t0 = time.perf_counter()
             engine.generate(prompts, params, progress=False)
             runs.append({"wall_s": time.perf_counter() - t0, "compiles": engine.stats()["compiles"] - before})
-        results[name] = {"requests": len(prompts), "first": runs[0], "second": runs[1],
-                         "first_over_second": runs[0]["wall_s"] / runs[1]["wall_s"]}
+        later = statistics.median(r["wall_s"] for r in runs[1:])
+        results[name] = {"requests": len(prompts), "first": runs[0], "later": runs[1:],
+                         "first_over_later": runs[0]["wall_s"] / later}
     return results
+
+
+def combine_engines(per_engine: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each workload over the fresh engines: medians of the first run, of the later runs' medians and of the
+    per-engine ratios, and the most step shapes any first or later run compiled."""
+    out = {}
+    for name in per_engine[0]:
+        ws = [e[name] for e in per_engine]
+        out[name] = {"requests": ws[0]["requests"], "engines": len(ws),
+                     "first_s": statistics.median(w["first"]["wall_s"] for w in ws),
+                     "later_s": statistics.median(statistics.median(r["wall_s"] for r in w["later"]) for w in ws),
+                     "first_over_later": statistics.median(w["first_over_later"] for w in ws),
+                     "ratios": [w["first_over_later"] for w in ws],
+                     "first_compiles": max(w["first"]["compiles"] for w in ws),
+                     "later_compiles": max(r["compiles"] for w in ws for r in w["later"])}
+    return out
 
 
 def print_table(startup: dict, precompile: str, runs: dict[str, dict], workloads: dict[str, dict]) -> None:
     print(f"\nstartup: {startup['total_s']:.2f} s (precompile {precompile}: {startup['precompile_s']:.2f} s, "
           f"{startup['signatures']} step shapes)")
     if workloads:
-        print(f"{'workload':<12} {'requests':>8} {'first s':>8} {'second s':>9} {'first/second':>12} "
+        engines = next(iter(workloads.values()))["engines"]
+        print(f"workloads on {engines} fresh engine(s): medians of the first run, of the later runs, and of the "
+              "per-engine ratios (each ratio in brackets); step shapes compiled in any first | later run")
+        print(f"{'workload':<12} {'requests':>8} {'first s':>8} {'later s':>8} {'first/later':>11} "
               f"{'compiles':>9}")
         for name, w in workloads.items():
-            print(f"{name:<12} {w['requests']:>8} {w['first']['wall_s']:8.2f} {w['second']['wall_s']:9.2f} "
-                  f"{w['first_over_second']:12.2f} {w['first']['compiles']:>4} {w['second']['compiles']:>4}")
+            ratios = ", ".join(f"{r:.2f}" for r in w["ratios"])
+            print(f"{name:<12} {w['requests']:>8} {w['first_s']:8.2f} {w['later_s']:8.2f} "
+                  f"{w['first_over_later']:11.2f} [{ratios}] {w['first_compiles']:>4} {w['later_compiles']:>4}")
     print(f"{'run':<6} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9} {'compiles':>8}")
     for name, r in runs.items():
@@ -205,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="EngineConfig.precompile (default: common, as `jsgl serve`)")
     ap.add_argument("--max-running-requests", type=int, default=64, help="EngineConfig.max_running_requests")
     ap.add_argument("--chunked-prefill-size", type=int, default=512, help="EngineConfig.chunked_prefill_size")
+    ap.add_argument("--fresh-engines", type=int, default=None,
+                    help="engines the workloads' first runs are measured on, each fresh (default 3; --quick: 1)")
+    ap.add_argument("--later-runs", type=int, default=None, help="runs after the first (default 3; --quick: 1)")
     ap.add_argument("--skip-workloads", action="store_true",
-                    help="only the mixed arrivals, not the first/second runs of the other benches' workloads")
+                    help="only the mixed arrivals, not the first/later runs of the other benches' workloads")
     ap.add_argument("--model", default=None, help="default: the engine's default model")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every part")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -222,12 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         kwargs["model"] = args.model
     workloads: dict[str, dict] = {}
-    if not args.skip_workloads:  # a fresh engine of their own: their first runs meet nothing warmed up
-        engine = Engine(**kwargs)
-        try:
-            workloads = bench_workloads(engine, args.quick)
-        finally:
-            engine.shutdown()
+    if not args.skip_workloads:  # fresh engines of their own: their first runs meet nothing warmed up
+        # One first run is one sample of this machine's ±15% run-to-run noise: several engines, and the median.
+        per_engine = []
+        for _ in range(args.fresh_engines or (1 if args.quick else 3)):
+            engine = Engine(**kwargs)
+            try:
+                per_engine.append(bench_workloads(engine, args.quick, args.later_runs or (1 if args.quick else 3)))
+            finally:
+                engine.shutdown()
+        workloads = combine_engines(per_engine)
     engine = Engine(**kwargs)
     stats = engine.stats()
     startup = {"total_s": stats["startup_s"], "precompile_s": stats["precompile_s"], "signatures": stats["compiles"]}
