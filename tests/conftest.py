@@ -148,6 +148,16 @@ def wait_idle(engine, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+# Prompts of several lengths and kinds for engine behaviour tests (test_engine, test_overlap).
+ENGINE_PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Christopher Columbus sailed across the Atlantic Ocean and reached the islands of the",
+    "Python is a programming language that",
+    "1, 1, 2, 3, 5, 8,",
+    "Dear Sir or Madam, I am writing to you because I recently bought one of your vacuum cleaners and",
+]
+
+
 def assert_no_leak(engine, timeout: float = 60.0) -> None:
     """Once idle, every KV slot is either free or held by the prefix cache."""
     wait_idle(engine, timeout)

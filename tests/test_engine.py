@@ -5,19 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import assert_no_leak, wait_idle
 
 from jsgl.engine.engine import Engine
 from jsgl.engine.request import FinishReason, InvalidRequestError
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
-PROMPTS = [
-    "The quick brown fox",
-    "In 1492, Christopher Columbus sailed across the Atlantic Ocean and reached the islands of the",
-    "Python is a programming language that",
-    "1, 1, 2, 3, 5, 8,",
-    "Dear Sir or Madam, I am writing to you because I recently bought one of your vacuum cleaners and",
-]
 
 
 def test_batch_equals_alone(engine):

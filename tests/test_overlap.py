@@ -5,15 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
+from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import assert_no_leak
 
-PROMPTS = [
-    "The quick brown fox",
-    "In 1492, Christopher Columbus sailed across the Atlantic Ocean and reached the islands of the",
-    "Python is a programming language that",
-    "1, 1, 2, 3, 5, 8,",
-    "Dear Sir or Madam, I am writing to you because I recently bought one of your vacuum cleaners and",
-]
 # Lengths that end requests at different steps (1 and 2: on the step an overlapped step follows), EOS
 # allowed, a stop string, seeded sampling with filters, and logprobs.
 PARAMS = [
