@@ -454,17 +454,7 @@ class Engine:
                 rows.append(i)
             except Exception:
                 self._fail_one(seq, "preparing its step inputs")
-        seqs = [batch.seqs[i] for i in rows]
-        pending = None
-        if items:
-            try:
-                pending = self._dispatch(seqs, items, batch.is_decode)
-            except Exception:  # rerun below, each request alone
-                if not self.runner.kv_intact():
-                    raise
-            if pending is not None and len(rows) == len(batch.seqs):
-                self._inflight = self._overlap(batch, items, pending)
-        results = self._run_isolated(seqs, items, batch.is_decode, pending)
+        results = self._run_isolated(batch, rows, items)
         self._absorb(batch, rows, results)
         self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
         return batch
@@ -518,7 +508,7 @@ class Engine:
                 next_items.append(ForwardItem(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)))  # writes slot 0
                 continue
             position = seq.num_tokens  # of the token `pending` samples
-            if not self.scheduler.grow(seq, position + 1):
+            if not self.scheduler.grow(seq, position + 1):  # may evict from the cache
                 return None
             next_items.append(dataclasses.replace(item, token_ids=np.zeros(1, np.int32), start_pos=position,
                                                   slots=seq.slots, step=len(seq.output_ids) + 1))
@@ -568,18 +558,21 @@ class Engine:
     def _forward(self, seqs: list[Sequence], items: list[Any], is_decode: bool) -> Any:
         return self._dispatch(seqs, items, is_decode).result()
 
-    def _run_isolated(self, seqs: list[Sequence], items: list[Any], is_decode: bool,
-                      pending: PendingStep | None = None) -> list[Any]:
+    def _run_isolated(self, batch: Batch, rows: list[int], items: list[Any]) -> list[Any]:
         """The step's output as one (StepOutput, row) per sequence, or None for a sequence whose step
         failed. When the batched forward fails, each sequence is rerun alone (its K/V writes go to its
         own slots, so recomputing them is harmless): a failure that follows one request's inputs fails
         that request only, and the others continue. A failure that consumed the donated KV pools cannot
-        be confined to one request: it is raised and fails every running request. ``pending``: the batched
-        step, already dispatched (None: it failed to dispatch, or is to be run here)."""
+        be confined to one request: it is raised and fails every running request. Between dispatching the
+        batched step and reading it, the next decode step may be overlapped behind it (``_overlap``)."""
         if not items:
             return []
+        seqs = [batch.seqs[i] for i in rows]
         try:
-            out = (pending or self._dispatch(seqs, items, is_decode)).result()
+            pending = self._dispatch(seqs, items, batch.is_decode)
+            if len(rows) == len(batch.seqs):
+                self._inflight = self._overlap(batch, items, pending)
+            out = pending.result()
             return [(out, row) for row in range(len(items))]
         except Exception:
             self._inflight = None  # an overlapped step queued behind this one failed with it
@@ -589,7 +582,7 @@ class Engine:
                 self._fail_one(seqs[0], "its model step")
                 return [None]
             log.warning("a batched step of %d requests failed; rerunning each alone", len(items))
-        return [self._forward_alone(seq, item, is_decode) for seq, item in zip(seqs, items)]
+        return [self._forward_alone(seq, item, batch.is_decode) for seq, item in zip(seqs, items)]
 
     def _forward_alone(self, seq: Sequence, item: Any, is_decode: bool) -> Any:
         try:

@@ -83,11 +83,10 @@ class PendingStep:
 
     def result(self) -> StepOutput:
         """Wait for the step and read back what was asked (only that crosses to the host)."""
-        n, out, logprobs, top_logprobs, prompt_top_k = (len(self.q_lens), self.out, self.logprobs, self.top_logprobs,
-                                                        self.prompt_top_k)
+        n, logprobs, top_logprobs, prompt_top_k = len(self.q_lens), self.logprobs, self.top_logprobs, self.prompt_top_k
         wanted = ["tokens"] + ["logprobs"] * logprobs + ["top_vals", "top_ids"] * (top_logprobs > 0) + \
             ["prompt_logprobs"] * (prompt_top_k >= 0) + ["prompt_top_vals", "prompt_top_ids"] * (prompt_top_k > 0)
-        host = dict(zip(wanted, jax.device_get([out[k] for k in wanted])))
+        host = dict(zip(wanted, jax.device_get([self.out[k] for k in wanted])))
         result = StepOutput(host["tokens"][:n], host["logprobs"][:n] if logprobs else None,
                             (host["top_vals"][:n, :top_logprobs], host["top_ids"][:n, :top_logprobs])
                             if top_logprobs else None)

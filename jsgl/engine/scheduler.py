@@ -103,8 +103,9 @@ class Scheduler:
             slots = self.allocator.alloc(num)
         return slots
 
-    def _grow(self, seq: Sequence, upto: int) -> bool:
-        """Make sure ``seq`` has slots for positions [0, upto)."""
+    def grow(self, seq: Sequence, upto: int) -> bool:
+        """Make sure ``seq`` has slots for positions [0, upto), evicting from the cache if short; False when
+        they cannot be had (the engine's overlapped decode step asks for the position after the last token)."""
         missing = upto - len(seq.slots)
         if missing <= 0:
             return True
@@ -113,11 +114,6 @@ class Scheduler:
             return False
         seq.slots = np.concatenate([seq.slots, new])
         return True
-
-    def grow(self, seq: Sequence, upto: int) -> bool:
-        """Slots for positions [0, upto) of a running sequence, evicting from the cache if short (an overlapped
-        decode step asks for the position after its last known token); False when they cannot be had."""
-        return self._grow(seq, upto)
 
     def release(self, seq: Sequence) -> None:
         """Give a sequence's KV back: what the prefix cache takes stays there, the rest goes to the allocator."""
@@ -195,7 +191,7 @@ class Scheduler:
 
         for seq in list(self.prefilling):
             chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if chunk <= 0 or not fits(seq, chunk) or not self._grow(seq, seq.num_computed + chunk):
+            if chunk <= 0 or not fits(seq, chunk) or not self.grow(seq, seq.num_computed + chunk):
                 break
             seqs.append(seq)
             chunks.append(chunk)
@@ -215,7 +211,7 @@ class Scheduler:
                     break
                 continue
             chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if not fits(seq, chunk) or not self._grow(seq, seq.num_computed + chunk):
+            if not fits(seq, chunk) or not self.grow(seq, seq.num_computed + chunk):
                 self.release(seq)
                 self.waiting.insert(0, seq)
                 break
@@ -255,7 +251,7 @@ class Scheduler:
         self.running.sort(key=lambda s: s.arrival_time)
         while self.running:
             short = [s for s in self.running if len(s.slots) < s.num_tokens]
-            if all(self._grow(s, s.num_tokens) for s in short):
+            if all(self.grow(s, s.num_tokens) for s in short):
                 break
             self.retract(self.running[-1])
         if not self.running:

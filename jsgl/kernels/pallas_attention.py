@@ -151,9 +151,12 @@ def _suffix(kv: list[jax.Array], page_size: int) -> str:
     return ("_int8" if len(kv) == 4 else "") + (f"_pg{page_size}" if page_size > 1 else "")
 
 
-def _check_pages(page_size: int, block_k: int) -> None:
+def _page_block_k(page_size: int, block_k: int) -> int:
+    """The KV block for a table of ``page_size``-slot pages: whole pages, so at least one page."""
+    block_k = max(block_k, page_size)
     if not _is_pow2(page_size) or block_k % page_size:
         raise ValueError(f"page_size={page_size} must be a power of two dividing block_k={block_k}")
+    return block_k
 
 
 def _kv_operands(k_pool: KVPool, v_pool: KVPool) -> list[jax.Array]:
@@ -323,8 +326,7 @@ def paged_decode_attention(
     if group * num_kv_heads != num_q_heads:
         raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     page_size = meta.page_size
-    block_k = max(block_k, page_size)  # a KV block is whole pages
-    _check_pages(page_size, block_k)
+    block_k = _page_block_k(page_size, block_k)
     batch, width = meta.block_table.shape[0], meta.block_table.shape[1] * page_size  # in positions
     if block_h is None:
         block_h = max(pl.next_power_of_2(group), 1 if interpret else _MIN_DOT)
@@ -501,8 +503,7 @@ def paged_extend_attention(
     group = num_q_heads // num_kv_heads
     padded_group = pl.next_power_of_2(group)
     page_size = meta.page_size
-    block_k = max(block_k, page_size)  # a KV block is whole pages
-    _check_pages(page_size, block_k)
+    block_k = _page_block_k(page_size, block_k)
     width = meta.block_table.shape[1] * page_size  # in positions
     # No point in query tiles (much) taller than the longest request; on GPU the tile's rows feed tl.dot (>= 16).
     block_q = block_q or max(64 // padded_group, 1)
