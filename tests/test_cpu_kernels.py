@@ -126,11 +126,13 @@ def test_short_extend_matches_native():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("q_lens", [None, [3, 11, 1, 0, 1]])  # decode; short extends with a padding row
+# decode; short extends with a padding row; prefill chunks (70 tokens: the RoPE and writes in three threaded blocks)
+@pytest.mark.parametrize("q_lens", [None, [3, 11, 1, 0, 1], [6, 40, 1, 0, 23]])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 48)])  # vector and scalar RoPE
 def test_rope_write_attention_equals_the_three_steps(q_lens, q_heads, kv_heads, head_dim):
     """The fused call (RoPE on q and k from the q|k|v output, K/V written into the pools, attention) gives the
-    model's composition: rope, scatter, native attention; padding tokens write the reserved slot 0."""
+    model's composition: rope, scatter, native attention. Padding tokens (slot 0) write nothing: the reserved
+    slot is never read, and the kernel's threads would all write it at once."""
     from jsgl.model.llama import rope, rope_tables
 
     kv_lens = [6, 40, 1, 0, 23]
@@ -154,8 +156,12 @@ def test_rope_write_attention_equals_the_three_steps(q_lens, q_heads, kv_heads, 
         return native_paged_attention(rope(q, *cos_sin), k_pool, v_pool, meta, 0.125), k_pool, v_pool
 
     fused = jax.jit(lambda *a: cpu.cpu_rope_write_attention(*a, jnp.asarray(slots), *cos_sin, meta, 0.125))
-    for got, want in zip(fused(qkv, k_pool, v_pool), jax.jit(three_steps)(qkv, k_pool, v_pool)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+    k_before, v_before = np.asarray(k_pool), np.asarray(v_pool)
+    got, want = fused(qkv, k_pool, v_pool), jax.jit(three_steps)(qkv, k_pool, v_pool)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-5, rtol=0)
+    for got_pool, want_pool, before in zip(got[1:], want[1:], (k_before, v_before)):
+        np.testing.assert_allclose(np.asarray(got_pool)[:, 1:], np.asarray(want_pool)[:, 1:], atol=2e-5, rtol=0)
+        np.testing.assert_array_equal(np.asarray(got_pool)[:, 0], before[:, 0])
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (7, 1, 32), (4, 2, 48), (16, 1, 128)])

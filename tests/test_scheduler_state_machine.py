@@ -44,7 +44,7 @@ from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.model_runner import bucket
 from jsgl.engine.request import AbortReason, FinishReason, SamplingParams
-from jsgl.engine.scheduler import Batch, Scheduler
+from jsgl.engine.scheduler import IN_BATCH_PREFIX_MIN, Batch, Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.flat_cache import FlatCache
@@ -149,11 +149,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.alloc, passed, max_running=max_running, chunk_size=chunk_size, max_context=MAX_CONTEXT,
             attention_budget_bytes=attention_budget, attention_bytes=attention_bytes, order_waiting=order)
         # Observe (never change) the in-batch deferral decision and retractions.
-        shares, retract = self.sched._shares_uncached_prefix, self.sched.retract
+        shares, retract = self.sched._shared_uncached, self.sched.retract
 
-        def observed_shares(seq: Sequence, batch: list[Sequence]) -> bool:
+        def observed_shares(seq: Sequence, batch: list[Sequence]) -> int:
             result = shares(seq, batch)
-            if result:
+            if result >= IN_BATCH_PREFIX_MIN:
                 count("in_batch_deferral")
             return result
 
@@ -162,7 +162,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.retracted.add(seq)
             retract(seq)
 
-        self.sched._shares_uncached_prefix = observed_shares
+        self.sched._shared_uncached = observed_shares
         self.sched.retract = observed_retract
         self._clean = True
 

@@ -17,7 +17,14 @@ from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.model_runner import bucket
 from jsgl.engine.request import FinishReason, SamplingParams
-from jsgl.engine.scheduler import IN_BATCH_PREFIX_MIN, MAX_DEFERRED_SCAN, PADDING_FACTOR, Batch, Scheduler
+from jsgl.engine.scheduler import (
+    FILL_SHARED_RATIO,
+    IN_BATCH_PREFIX_MIN,
+    MAX_DEFERRED_SCAN,
+    PADDING_FACTOR,
+    Batch,
+    Scheduler,
+)
 from jsgl.engine.sequence import Sequence
 from jsgl.radix.no_cache import NoPrefixCache
 from jsgl.radix.radix_cache import RadixCache
@@ -453,6 +460,28 @@ def test_in_batch_deferral_threshold(shared, deferred):
         assert b.cached_tokens_reported == shared and sched.stats.cached_tokens == shared
     else:
         assert shape(batch) == (False, ["a", "b"], [shared + 1] * 2, [True, True])
+    assert_pool_accounted(sched, alloc)
+
+
+def test_leftover_budget_goes_to_a_request_sharing_only_a_short_header():
+    """MMLU's subjects share a short header: a step's leftover budget goes to another subject's prompt, which
+    computes the header again, instead of idling; one that shares much of what it brings still waits."""
+    sched, alloc = make(capacity=1024, chunk_size=128, padded=False)
+    m = IN_BATCH_PREFIX_MIN
+    a = seq([7] * m + [1] * 60, rid="a")  # m + 60 tokens
+    b = seq([7] * m + [2] * (FILL_SHARED_RATIO * m), rid="b")  # shares m of its (ratio + 1) m new tokens: fills
+    c = seq([7] * m + [3] * m, rid="c")  # shares m of 2m: waits for the tree
+    for s in (a, b, c):
+        sched.add(s)
+    assert shape(step(sched)) == (False, ["a", "b"], [m + 60, 128 - m - 60], [True, False])
+    # b computed the header again (none of it reported cached); after the step it uses the tree's copy
+    assert [s.rid for s in sched.waiting] == ["c"] and b.cached_tokens_reported == 0
+    assert b.slots[:m].tolist() == a.slots[:m].tolist()
+    assert_pool_accounted(sched, alloc)
+    assert shape(step(sched))[:2] == (True, ["a"])  # a decodes between two extend steps
+    # b's rest, and c, which now finds the header in the tree
+    assert shape(step(sched))[1:3] == (["b", "c"], [(FILL_SHARED_RATIO + 1) * m - (128 - m - 60), m])
+    assert c.cached_tokens_reported == m
     assert_pool_accounted(sched, alloc)
 
 
