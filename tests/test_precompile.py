@@ -48,6 +48,24 @@ def test_planned_signatures_cover_every_batch(precompiled):
     check()
 
 
+def test_a_default_sized_chunk_is_planned_with_its_three_quarter_bucket(precompiled):
+    """At the default chunk of 512 tokens an extend of 257-384 tokens pads to 384, not 512, and that shape is
+    planned too (the plan is a pure function of the configuration: nothing is compiled here)."""
+    runner, chunk = precompiled.runner, 512
+    plan = set(runner.planned_signatures("common", MAX_RUNNING, chunk))
+    assert runner.step_shape(3, 353, 300, 900, False)[0] == 384
+    assert runner.step_shape(3, 385, 300, 900, False)[0] == 512
+    assert runner.step_shape(3, 200, 100, 900, False)[0] == 256  # below 256 the buckets stay powers of two
+
+    @settings(max_examples=examples(200), deadline=None)
+    @given(st.integers(1, MAX_RUNNING), st.data())
+    def check(n, data):
+        new = data.draw(st.lists(st.integers(1, chunk), min_size=n, max_size=n).filter(lambda xs: sum(xs) <= chunk))
+        assert (*runner.step_shape(n, sum(new), max(new), runner.table_width, False), -1) in plan
+
+    check()
+
+
 def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompiled):
     """Decode at batch 1 and 8, few-shot prompts sharing a prefix, a regex, sampling with top-p, a logit
     bias, a repetition penalty, token and prompt logprobs: nothing compiles while serving, and the greedy
