@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -22,7 +23,12 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 TIMEOUT_S = 300
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
 
-COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin)
+# name: (arguments, stdin). They start in this order, two at a time: the longest first (figures ~115 s alone, the
+# Pallas interpret-mode kernels ~25 s), so none of them is left running alone at the end.
+COMMANDS: dict[str, tuple[list[str], str | None]] = {
+    # Every figure from one program per workload, the first workload of each config.
+    "figures": (["figures", "--quick", "--programs", "1", "--max-workloads", "1", "--out", "figs"], None),
+    "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
     "generate": (["generate", "The capital of France is", "--max-new-tokens", "4"], None),
     "chat": (["chat", "--max-new-tokens", "4", "--system", "You are terse."], "Say hi.\n\n"),  # then EOF
     "bench decode": (["bench", "decode", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "1",
@@ -42,18 +48,22 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {  # name: (arguments, stdin
     "bench soak": (["bench", "soak", "--duration", "2", "--warmup", "0.5", "--clients", "2"], None),
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
-    "bench device": (["bench", "device", "--cpu-smoke"], None),  # the Pallas kernels in interpret mode
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
                      "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
-    # Every figure from one program per workload, the first workload of each config.
-    "figures": (["figures", "--quick", "--programs", "1", "--max-workloads", "1", "--out", "figs"], None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
                        "--repo", str(Path(__file__).resolve().parents[1])], None),
 }
+
+
+# Two commands run at once on a 2-core machine: each kernel call on one thread. With two threads each, a call's
+# caller waited (spinning) for a helper descheduled by the other command. (Three at once: the suite took 20.3 min
+# against 21.9 with two, but the module's own waits were no shorter, ~290 s: the machine's drift, so not kept.)
+CONCURRENT = 2
+COMMAND_ENV = {**os.environ, "JSGL_CPU_THREADS": "1"}
 
 
 def jsgl_script() -> str:
@@ -66,7 +76,7 @@ def jsgl_script() -> str:
 def run(args: list[str], stdin: str | None, cwd: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([jsgl_script(), *args], input=stdin if stdin is not None else "", cwd=cwd,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
+                              capture_output=True, text=True, timeout=TIMEOUT_S, env=COMMAND_ENV)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"jsgl {' '.join(args)} ran past {TIMEOUT_S} s; output so far: {exc.stdout!r} {exc.stderr!r}")
 
@@ -89,7 +99,7 @@ def results(request, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("cli")  # not the repository: the installed package must be enough
     # Start only the commands of the selected tests (test_<name, _ for spaces>[_...]): `-k` need not run them all.
     selected = {item.originalname for item in request.session.items if item.module is request.module}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
         futures = Started(pool, cwd)
         for name in COMMANDS:
             test = "test_" + name.replace(" ", "_")
