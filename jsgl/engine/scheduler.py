@@ -226,13 +226,11 @@ class Scheduler:
                 break
             self._match_prefix(seq)
             new = seq.num_tokens - seq.num_computed
-            chunk = min(new, budget)
-            if self._shared_uncached(seq, seqs) * FILL_SHARED_RATIO > new or \
-                    not self._admit(seq, chunk, seqs, chunks, fits):
+            if self._shared_uncached(seq, seqs) * FILL_SHARED_RATIO > new:
                 self.release(seq)
-                continue
-            deferred.remove(seq)
-            budget -= chunk
+            elif self._admit(seq, min(new, budget), seqs, chunks, fits):  # (on failure it has released seq)
+                deferred.remove(seq)
+                budget -= chunks[-1]
         self.waiting[:0] = deferred
         if not seqs:
             return None
