@@ -38,13 +38,28 @@ def test_packed_matmul_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w, atol=2e-4 * np.sqrt(k), rtol=0)
 
 
-def test_packed_layer_blocks_match_jnp():
+@pytest.mark.parametrize("m,k,n", [(17, 576, 96), (64, 1536, 200), (130, 576, 960)])
+def test_prefill_matmul_error_stays_near_float32(m, k, n):
+    """From 17 rows the product runs on AMX where the CPU has it, as three bfloat16 products of split values
+    (cpu_amx.h): its error against float64, relative to sum |x||w|, must stay within ~8x float32's rounding
+    (measured ~1e-6; float32 sums ~2e-7; one bfloat16 product would be ~4e-3). The same bound holds for the
+    AVX-512 float32 kernel that runs without AMX."""
+    rng = np.random.default_rng(m + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32) / np.sqrt(k)
+    y = np.asarray(jax.jit(cpu.packed_matmul)(jnp.asarray(x), cpu.pack_weight([jnp.asarray(w)])))
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert (np.abs(y - exact) / scale).max() < 4e-6
+
+
+@pytest.mark.parametrize("m", [5, 40])  # the register kernels; AMX (where the CPU has it)
+def test_packed_layer_blocks_match_jnp(m):
     """The layer's blocks through the kernels (fused q/k/v and gate/up, norm, SwiGLU and residual inside the
     calls) equal the same blocks in plain jnp, on small random weights."""
     from jsgl.model import llama
 
     rng = np.random.default_rng(0)
-    d, inter, m = 96, 64, 5
+    d, inter = 96, 64
     shapes = {"wq": (d, 96), "wk": (d, 32), "wv": (d, 32), "wo": (96, d), "w_gate": (d, inter), "w_up": (d, inter),
               "w_down": (inter, d), "attn_norm": (d,), "mlp_norm": (d,)}
     layer = {name: jnp.asarray(rng.standard_normal(shape, np.float32) / np.sqrt(shape[0]))

@@ -49,7 +49,7 @@ log = logging.getLogger("jsgl.kernels.cpu")
 
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h")]
+            for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h", "cpu_amx.h")]
 _TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention",
             "jsgl_rope_write_attention")
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
