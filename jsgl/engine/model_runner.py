@@ -323,14 +323,24 @@ class ModelRunner:
         self._precompiled = True
 
     def _run_padding(self, signature: tuple) -> None:
-        """Execute a compiled step once on padding (every write goes to reserved slot 0): an executable's
-        first run pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer)."""
+        """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
+        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Once per sampler branch a
+        plain batch takes: greedy, and sampled with token logprobs (each branch's first run paid them again:
+        a fresh engine's first greedy batch-1 decode was ~7% slower than its later ones). The second run takes
+        the first's sampled tokens as its previous tokens, as an overlapped decode step does (its first such
+        dispatch took ~2.5 ms more than later ones)."""
         layout = StepLayout(*signature[:4], self.page_size)
-        packed = new_packed(layout, self.config.vocab_size)
-        arrays = [self._neutral(kind, layout.num_b)
-                  for kind in ("bitmask", "logit_bias", "repetition_scale", "previous_tokens")]
-        self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, packed.floats, *arrays)
-        jax.block_until_ready(out)
+        arrays = [self._neutral(kind, layout.num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
+        previous = self._neutral("previous_tokens", layout.num_b)
+        for greedy in (True, False):
+            packed = new_packed(layout, self.config.vocab_size)
+            packed.views(layout)["flags"][:] = stage_flags(all_greedy=greedy, token_logprobs=not greedy,
+                                                          apply_mask=False, apply_bias=False,
+                                                          apply_repetition=False, want_top=False)
+            self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, packed.floats, *arrays,
+                                                        previous)
+            jax.block_until_ready(out)
+            previous = out["tokens"]
 
     def _abstract_args(self, layout: StepLayout) -> tuple:
         vocab, num_b = self.config.vocab_size, layout.num_b
