@@ -52,6 +52,21 @@ def test_prefill_matmul_error_stays_near_float32(m, k, n):
     assert (np.abs(y - exact) / scale).max() < 4e-6
 
 
+def test_amx_is_used_where_the_cpu_has_it_and_can_be_switched_off():
+    """Prefill's AMX path runs where the CPU lists amx_bf16 (unless the OS withholds the tiles), and
+    JSGL_NO_AMX=1 keeps the AVX-512 kernels (read once per process: a child process checks it)."""
+    import os
+    import subprocess
+    import sys
+
+    if "amx_bf16" not in Path("/proc/cpuinfo").read_text():
+        assert not cpu.amx_enabled()
+    code = "from jsgl.kernels import cpu; print(cpu.available(), cpu.amx_enabled())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "JSGL_NO_AMX": "1"}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("m", [5, 40])  # the register kernels; AMX (where the CPU has it)
 def test_packed_layer_blocks_match_jnp(m):
     """The layer's blocks through the kernels (fused q/k/v and gate/up, norm, SwiGLU and residual inside the

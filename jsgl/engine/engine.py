@@ -113,6 +113,11 @@ class Engine:
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size)
         del params
+        # Prefill's matmuls on AMX tiles (near float32, not bitwise the AVX-512 kernels'): said once, and in stats().
+        self.amx_prefill = matmul != "xla" and cpu_kernels.amx_enabled()
+        if self.amx_prefill:
+            log.info("matmuls of more than 16 rows run on AMX (three bfloat16 products per float32 product; "
+                     "JSGL_NO_AMX=1 keeps the AVX-512 kernels)")
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(
             self.allocator, self.prefix_cache, max_running=cfg.max_running_requests,
@@ -299,6 +304,7 @@ class Engine:
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
+            "matmul_backend": self.runner.matmul_backend, "amx_prefill": self.amx_prefill,
             "unplanned_compiles": self.runner.unplanned_compiles,
             "weight_bytes": self.memory_plan.weight_bytes, "kv_bytes": self.memory_plan.kv_bytes,
             "device_bytes": self.memory_plan.device_bytes, "device_free_bytes": self.memory_plan.free_bytes,

@@ -34,12 +34,15 @@ constexpr int64_t kTileElems = 16 * 32;  // bfloat16 per A or B tile (1 KB)
 
 #if JSGL_HAVE_AMX
 
-// Linux hands a process AMX's 8 KB of tile state only when asked (once per process). JSGL_NO_AMX=1 keeps the
-// AVX-512 kernels, for A/B runs.
+// Whether this process may use the tiles: the OS must have enabled their state (XCR0 bits 17-18; a CPU can list
+// AMX under a hypervisor that does not), and Linux hands a process AMX's 8 KB of tile state only when asked
+// (once per process). JSGL_NO_AMX=1 keeps the AVX-512 kernels, for A/B runs.
 inline bool Enabled() {
   static const bool enabled = [] {
     const char* off = std::getenv("JSGL_NO_AMX");
     if (off && *off && *off != '0') return false;
+    constexpr unsigned long long kTileState = 3ull << 17;
+    if ((_xgetbv(0) & kTileState) != kTileState) return false;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();

@@ -5,6 +5,7 @@
 //   1-16 rows of a decode step that costs about as much as the arithmetic.
 // jsgl_q4_1_matmul, jsgl_q8_0_matmul: the same over weights kept in the GGUF file's own quantized blocks,
 //   dequantized exactly, in registers (see QuantMicroKernel).
+// Both take more than 16 rows (prefill) to AMX tiles where the CPU and OS allow it (AmxPanels, cpu_amx.h).
 
 #include <array>
 #include <cmath>
@@ -548,6 +549,9 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
 }
 
 }  // namespace
+
+// For jsgl/kernels/cpu.py's amx_enabled(): whether prefill-sized matmuls take the AMX path in this process.
+extern "C" int jsgl_amx_enabled() { return amx::Enabled() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()
