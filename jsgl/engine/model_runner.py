@@ -324,11 +324,10 @@ class ModelRunner:
 
     def _run_padding(self, signature: tuple) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
-        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Once per sampler branch a
-        plain batch takes: greedy, and sampled with token logprobs (each branch's first run paid them again:
-        a fresh engine's first greedy batch-1 decode was ~7% slower than its later ones). The second run takes
-        the first's sampled tokens as its previous tokens, as an overlapped decode step does (its first such
-        dispatch took ~2.5 ms more than later ones)."""
+        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Twice: greedy, then sampled
+        with token logprobs (the sampler's two common branches), the second taking the first's sampled tokens as
+        its previous tokens, as an overlapped decode step does: a fresh engine's first such dispatch took ~2.8 ms
+        against ~0.3 later (with both, `bench serve`'s first/later batch-1 decode went from 1.15 to 1.04)."""
         layout = StepLayout(*signature[:4], self.page_size)
         arrays = [self._neutral(kind, layout.num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
         previous = self._neutral("previous_tokens", layout.num_b)

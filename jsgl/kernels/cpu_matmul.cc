@@ -5,7 +5,7 @@
 //   1-16 rows of a decode step that costs about as much as the arithmetic.
 // jsgl_q4_1_matmul, jsgl_q8_0_matmul: the same over weights kept in the GGUF file's own quantized blocks,
 //   dequantized exactly, in registers (see QuantMicroKernel).
-// Both take more than 16 rows (prefill) to AMX tiles where the CPU and OS allow it (AmxPanels, cpu_amx.h).
+// Both take more than 16 rows (prefill) to AMX tiles where the CPU and OS allow it (AmxMatmul, cpu_amx.h).
 
 #include <array>
 #include <cmath>
@@ -151,71 +151,71 @@ struct Fusion {
   }
 };
 
-// x split into bfloat16 hi and lo A tiles for the AMX path (cpu_amx.h), 32 rows a block, the last padded with
-// zeros. Split by both threads from 64 rows, like Fusion::Input. nullopt: the AVX-512 kernels instead (no AMX, K
-// not a multiple of 32, or too few rows: up to 16 rows a step is a decode and the register kernels win).
+// y = x @ W for more than 16 rows on AMX (cpu_amx.h), where it applies: x is split once into bfloat16 hi and lo A
+// tiles, 32 rows a block (the last padded with zeros; by both threads from 64 rows, like Fusion::Input), then each
+// task splits two panels of W into B tiles (`pair(panel, k2, c, w0, w1)` gives W's rows 2 k2 and 2 k2 + 1 of a
+// panel's columns [c, c + 16), called for k2 = 0, 1, ... in turn) and runs every row block against them, each
+// block finished while in cache. False: the AVX-512 kernels instead (no AMX, K not a multiple of 32, or too few
+// rows: up to 16 rows a step is a decode and the register kernels win; 32-64 rows are about even).
 constexpr int64_t kAmxAbove = 16;
-struct AmxRows {
-  const uint16_t* tiles;  // block b's at b * block_elems
+constexpr int64_t kAmxPanels = 2;  // panels per task: three column pairs (the tile product is 32 columns wide)
 
-  static std::optional<AmxRows> Split(const float* x, int64_t m_dim, int64_t k_dim) {
-    if (m_dim <= kAmxAbove || k_dim % amx::kTileK != 0 || !amx::Enabled()) return std::nullopt;
-    thread_local std::vector<uint16_t> buffer;
-    const int64_t blocks = (m_dim + amx::kBlockRows - 1) / amx::kBlockRows;
-    buffer.resize(blocks * amx::kBlockRows * k_dim * 2);
-    uint16_t* tiles = buffer.data();
-    auto block = [&](int64_t b) {
-      const int64_t m0 = b * amx::kBlockRows;
-      amx::SplitBlock(x + m0 * k_dim, std::min(amx::kBlockRows, m_dim - m0), k_dim, tiles + m0 * k_dim * 2);
-    };
-    if (m_dim >= 64) {
-      ParallelFor(blocks, block);
-    } else {
-      for (int64_t b = 0; b < blocks; ++b) block(b);
-    }
-    return AmxRows{tiles};
-  }
-};
-
-// Panels per AMX task: two panels are three column pairs (the tile product is 32 columns wide).
-constexpr int64_t kAmxPanels = 2;
-
-// Columns of panels [p, p + count) (count <= 2) of y for every row, on AMX: the panels split once into tiles
-// (`pair(panel, k2, c, w0, w1)` gives W's rows 2 k2 and 2 k2 + 1 of a panel's columns [c, c + 16)), then 32 rows
-// at a time, each block finished while in cache.
 template <typename PairFn>
-void AmxPanels(const AmxRows& x, int64_t m_dim, int64_t k_dim, PairFn pair, const Fusion& fusion, float* ys,
-               int64_t n_dim, int64_t p, int64_t count) {
+bool AmxMatmul(const float* x, int64_t m_dim, int64_t k_dim, PairFn pair, const Fusion& fusion, float* ys,
+               int64_t n_dim) {
 #if JSGL_HAVE_AMX
-  const int64_t groups = 3 * count, pairs = (groups + 1) / 2, pair_elems = k_dim / amx::kTileK * amx::kPairTiles * amx::kTileElems;
-  thread_local std::vector<uint16_t> tiles;
-  tiles.resize(pairs * pair_elems);
-  for (int64_t g = 0; g < groups; ++g)
-    amx::SplitGroup(k_dim, g, [&](int64_t k2, __m512& w0, __m512& w1) { pair(p + g / 3, k2, g % 3 * 16, w0, w1); },
-                    tiles.data());
-  if (groups % 2) {  // the last pair's second half: zero weights
-    for (int64_t kb = 0; kb < k_dim / amx::kTileK; ++kb)
-      for (int64_t half : {1, 3})
-        std::fill_n(tiles.data() + (pairs - 1) * pair_elems + (kb * amx::kPairTiles + half) * amx::kTileElems,
-                    amx::kTileElems, 0);
+  if (m_dim <= kAmxAbove || k_dim % amx::kTileK != 0 || !amx::Enabled()) return false;
+  thread_local std::vector<uint16_t> a_buffer;  // block b's A tiles at b * kBlockRows * K * 2 (hi and lo)
+  const int64_t blocks = (m_dim + amx::kBlockRows - 1) / amx::kBlockRows;
+  a_buffer.resize(blocks * amx::kBlockRows * k_dim * 2);
+  uint16_t* a_tiles = a_buffer.data();
+  auto split = [&](int64_t b) {
+    const int64_t m0 = b * amx::kBlockRows;
+    amx::SplitBlock(x + m0 * k_dim, std::min(amx::kBlockRows, m_dim - m0), k_dim, a_tiles + m0 * k_dim * 2);
+  };
+  if (m_dim >= 64) {
+    ParallelFor(blocks, split);
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) split(b);
   }
-  amx::Configure();
-  constexpr int64_t ldo = 3 * 32;
-  alignas(64) float out[amx::kBlockRows * ldo];
-  const int64_t cols = std::min(count * kPanel, n_dim - p * kPanel);
-  for (int64_t m0 = 0; m0 < m_dim; m0 += amx::kBlockRows) {
-    const int64_t rows = std::min(amx::kBlockRows, m_dim - m0);
-    for (int64_t q = 0; q < pairs; ++q)
-      amx::PairProduct(x.tiles + m0 * k_dim * 2, k_dim, tiles.data() + q * pair_elems, out + 32 * q, ldo);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; c += kPanel) {
-        const __m512 row[3] = {_mm512_load_ps(out + r * ldo + c), _mm512_load_ps(out + r * ldo + c + 16),
-                               _mm512_load_ps(out + r * ldo + c + 32)};
-        StoreColumns(ys + (m0 + r) * n_dim + p * kPanel + c, row, cols - c);
-      }
-    fusion.Finish(ys, m0, rows, n_dim, p * kPanel, cols);
-  }
-  _tile_release();
+  const int64_t num_panels = (n_dim + kPanel - 1) / kPanel;
+  const int64_t pair_elems = k_dim / amx::kTileK * amx::kPairTiles * amx::kTileElems;
+  ParallelFor((num_panels + kAmxPanels - 1) / kAmxPanels, [&](int64_t task) {
+    const int64_t p = task * kAmxPanels, groups = 3 * std::min(kAmxPanels, num_panels - p), pairs = (groups + 1) / 2;
+    thread_local std::vector<uint16_t> b_buffer;
+    b_buffer.resize(pairs * pair_elems);
+    uint16_t* b_tiles = b_buffer.data();
+    PairFn panel_pair = pair;  // its own copy per task: a quantized pair keeps its block's scales
+    for (int64_t g = 0; g < groups; ++g)
+      amx::SplitGroup(k_dim, g, [&](int64_t k2, __m512& w0, __m512& w1) { panel_pair(p + g / 3, k2, g % 3 * 16, w0, w1); },
+                      b_tiles);
+    if (groups % 2) {  // the last pair's second half: zero weights
+      for (int64_t kb = 0; kb < k_dim / amx::kTileK; ++kb)
+        for (int64_t half : {1, 3})
+          std::fill_n(b_tiles + (pairs - 1) * pair_elems + (kb * amx::kPairTiles + half) * amx::kTileElems,
+                      amx::kTileElems, 0);
+    }
+    amx::Configure();
+    constexpr int64_t ldo = 3 * 32;
+    alignas(64) float out[amx::kBlockRows * ldo];
+    const int64_t cols = std::min(groups / 3 * kPanel, n_dim - p * kPanel);
+    for (int64_t m0 = 0; m0 < m_dim; m0 += amx::kBlockRows) {
+      const int64_t rows = std::min(amx::kBlockRows, m_dim - m0);
+      for (int64_t q = 0; q < pairs; ++q)
+        amx::PairProduct(a_tiles + m0 * k_dim * 2, k_dim, b_tiles + q * pair_elems, out + 32 * q, ldo);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; c += kPanel) {
+          const __m512 row[3] = {_mm512_load_ps(out + r * ldo + c), _mm512_load_ps(out + r * ldo + c + 16),
+                                 _mm512_load_ps(out + r * ldo + c + 32)};
+          StoreColumns(ys + (m0 + r) * n_dim + p * kPanel + c, row, cols - c);
+        }
+      fusion.Finish(ys, m0, rows, n_dim, p * kPanel, cols);
+    }
+    _tile_release();
+  });
+  return true;
+#else
+  return false;
 #endif
 }
 
@@ -234,21 +234,14 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
   const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
-  const int64_t num_panels = (n_dim + kPanel - 1) / kPanel;
-  if (const auto amx_rows = AmxRows::Split(xs, m_dim, k_dim)) {
-    auto pair = [&](int64_t p, int64_t k2, int64_t c, __m512& w0, __m512& w1) {
-      const float* panel = ws + p * k_dim * kPanel;
-      w0 = _mm512_loadu_ps(panel + 2 * k2 * kPanel + c);
-      w1 = _mm512_loadu_ps(panel + (2 * k2 + 1) * kPanel + c);
-    };
-    ParallelFor((num_panels + kAmxPanels - 1) / kAmxPanels, [&](int64_t t) {
-      const int64_t p = t * kAmxPanels;
-      AmxPanels(*amx_rows, m_dim, k_dim, pair, *fusion, ys, n_dim, p, std::min(kAmxPanels, num_panels - p));
-    });
-    return ffi::Error::Success();
-  }
+  auto pair = [&](int64_t p, int64_t k2, int64_t c, __m512& w0, __m512& w1) {
+    const float* panel = ws + p * k_dim * kPanel;
+    w0 = _mm512_loadu_ps(panel + 2 * k2 * kPanel + c);
+    w1 = _mm512_loadu_ps(panel + (2 * k2 + 1) * kPanel + c);
+  };
+  if (AmxMatmul(xs, m_dim, k_dim, pair, *fusion, ys, n_dim)) return ffi::Error::Success();
   // One task per panel: the panel stays in cache while every row block passes over it.
-  ParallelFor(num_panels, [&](int64_t p) {
+  ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const float* panel = ws + p * k_dim * kPanel;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     for (int64_t m = 0; m < m_dim; m += kRows) {
@@ -508,22 +501,15 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
       }
   }
   const float* x_sums = x_sums_buffer.data();
-  const int64_t num_panels = (n_dim + kPanel - 1) / kPanel;
-  if (const auto amx_rows = AmxRows::Split(xs, m_dim, k_dim)) {
-    // Called for k2 = 0, 1, ... of one panel's columns in turn: a block's scales are read at its first pair.
-    auto pair = [&, d = _mm512_setzero_ps(), m = _mm512_setzero_ps()](int64_t p, int64_t k2, int64_t c, __m512& w0,
-                                                                     __m512& w1) mutable {
-      const uint8_t* block = bs + (p * bd[1] + k2 / 16) * Block::kBytes;
-      if (k2 % 16 == 0) d = Block::D(block, c), m = Block::M(block, c);
-      Block::Pair(block, k2 % 16, c, d, m, w0, w1);
-    };
-    ParallelFor((num_panels + kAmxPanels - 1) / kAmxPanels, [&](int64_t t) {
-      const int64_t p = t * kAmxPanels;
-      AmxPanels(*amx_rows, m_dim, k_dim, pair, *fusion, ys, n_dim, p, std::min(kAmxPanels, num_panels - p));
-    });
-    return ffi::Error::Success();
-  }
-  ParallelFor(num_panels, [&](int64_t p) {
+  // Called for k2 = 0, 1, ... of one panel's columns in turn: a block's scales are read at its first pair.
+  auto pair = [&, d = _mm512_setzero_ps(), m = _mm512_setzero_ps()](int64_t p, int64_t k2, int64_t c, __m512& w0,
+                                                                   __m512& w1) mutable {
+    const uint8_t* block = bs + (p * bd[1] + k2 / 16) * Block::kBytes;
+    if (k2 % 16 == 0) d = Block::D(block, c), m = Block::M(block, c);
+    Block::Pair(block, k2 % 16, c, d, m, w0, w1);
+  };
+  if (AmxMatmul(xs, m_dim, k_dim, pair, *fusion, ys, n_dim)) return ffi::Error::Success();
+  ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const uint8_t* panel = bs + p * bd[1] * Block::kBytes;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     if (m_dim <= kWideRows) {
