@@ -142,7 +142,13 @@ def prog_run_batch() -> dict[str, Any]:
 
 
 def prog_stream_meta() -> dict[str, Any]:
-    """SGLang's own test_stream_logprobs (sglang/test/test_programs.py), shortened to 16 tokens."""
+    """SGLang's own test_stream_logprobs (sglang/test/test_programs.py), shortened to 16 tokens.
+
+    SGLang's text_async_iter has a race its own test shares: it wakes on an event and reads the variable's
+    text and the *latest* meta_info, so two server events landing between two wakes come out as one chunk
+    carrying only the second event's logprobs (seen once in CI on a loaded 2-core machine). The server's
+    events themselves are checked one by one in test_sampling_params; here a run in which the client
+    coalesced chunks is retried (up to 5 runs), and every other invariant must hold in every run."""
 
     @sgl.function
     def chat(s, question):
@@ -154,20 +160,28 @@ def prog_stream_meta() -> dict[str, Any]:
         state = chat(question="Write one sentence about the sea.", stream=True, temperature=0, max_new_tokens=16)
         return state, [c async for c in state.text_async_iter("answer", return_meta_data=True)]
 
-    state, chunks = asyncio.run(collect())
-    assert len(chunks) > 0
-    prev_completion, prev_len, out = 0, 0, []
-    for chunk_text, meta in chunks:  # SGLang's assertions, verbatim in substance
-        assert chunk_text
-        assert "output_token_logprobs" in meta and "output_token_logprobs_length" in meta
-        completion, length = meta["completion_tokens"], meta["output_token_logprobs_length"]
-        assert completion == length
-        assert len(meta["output_token_logprobs"]) == completion - prev_completion == length - prev_len
-        prev_completion, prev_len = completion, length
-        out.append({"text": chunk_text, "completion_tokens": completion, "output_token_logprobs_length": length,
-                    "token_ids": [t[1] for t in meta["output_token_logprobs"]]})
+    runs, coalesced = 0, True
+    while coalesced and runs < 5:
+        runs += 1
+        state, chunks = asyncio.run(collect())
+        assert len(chunks) > 0
+        prev_completion, prev_len, out, coalesced = 0, 0, [], False
+        for chunk_text, meta in chunks:  # SGLang's assertions, verbatim in substance
+            assert chunk_text
+            assert "output_token_logprobs" in meta and "output_token_logprobs_length" in meta
+            completion, length = meta["completion_tokens"], meta["output_token_logprobs_length"]
+            assert completion == length
+            assert completion - prev_completion == length - prev_len
+            if len(meta["output_token_logprobs"]) != completion - prev_completion:
+                # Only the client's race makes fewer logprobs than new tokens; the server never sends more.
+                assert len(meta["output_token_logprobs"]) < completion - prev_completion
+                coalesced = True
+            prev_completion, prev_len = completion, length
+            out.append({"text": chunk_text, "completion_tokens": completion, "output_token_logprobs_length": length,
+                        "token_ids": [t[1] for t in meta["output_token_logprobs"]]})
+    assert not coalesced, "the client coalesced chunks in all 5 runs"
     answer = "".join(c["text"] for c in out)
-    return {"chunks": out, "answer": answer, "prompt": _prompt_of(state, answer)}
+    return {"chunks": out, "answer": answer, "prompt": _prompt_of(state, answer), "runs": runs}
 
 
 def prog_min_tokens() -> dict[str, Any]:
