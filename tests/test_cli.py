@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from jsgl.kernels import cpu
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 TIMEOUT_S = 300
-AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+KERNELS = cpu.hardware_supported()  # the gguf kernels build here
 
 # name: (arguments, stdin). They start in this order, two at a time: the longest first (figures ~115 s alone, the
 # Pallas interpret-mode kernels ~25 s), so none of them is left running alone at the end.
@@ -32,7 +34,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "generate": (["generate", "The capital of France is", "--max-new-tokens", "4"], None),
     "chat": (["chat", "--max-new-tokens", "4", "--system", "You are terse."], "Say hi.\n\n"),  # then EOF
     "bench decode": (["bench", "decode", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "1",
-                      "--kernels", "gguf" if AVX512 else "xla", "--skip-transformers"], None),
+                      "--kernels", "gguf" if KERNELS else "xla", "--skip-transformers"], None),
     "bench radix": (["bench", "radix", "--quick"], None),
     "bench json": (["bench", "json", "--cities", "2", "--max-running", "2"], None),
     "bench llm_judge": (["bench", "llm_judge", "--num-essays", "1", "--dims", "2", "--judge-tokens", "2",
@@ -142,7 +144,7 @@ def test_chat_answers_then_ends_at_eof(results):
 
 def test_bench_decode(results):
     out, _ = finished(results, "bench decode")
-    assert re.search(rf"^\s+1\s+{'gguf' if AVX512 else 'xla'}\s+\d+\.\d", out, re.M), out
+    assert re.search(rf"^\s+1\s+{'gguf' if KERNELS else 'xla'}\s+\d+\.\d", out, re.M), out
 
 
 def test_bench_radix(results):

@@ -1,4 +1,4 @@
-"""AVX-512 CPU kernels (``cpu_matmul.cc``, ``cpu_attention.cc``) as JAX ops through XLA's FFI.
+"""x86 CPU kernels (``cpu_matmul.cc``, ``cpu_attention.cc``) as JAX ops through XLA's FFI, for AVX-512 or AVX2.
 
 * :func:`packed_matmul`: ``x @ W`` with ``W`` packed once into panels of 48 output columns, in float32
   (:class:`PackedWeight`) or in the GGUF file's own Q4_1/Q8_0 blocks (:class:`QuantWeight`, dequantized
@@ -14,8 +14,11 @@
   Its fused form :func:`cpu_rope_write_attention` also applies RoPE and writes the new K/V (the model's path).
 
 The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
-``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. Without a compiler or AVX-512,
-:func:`available` is False and the engine keeps XLA's dot and the native attention.
+``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. They are written against 16-float
+vectors (``cpu_simd.h``): one AVX-512 register, or two AVX2 registers on CPUs without AVX-512 (AMD before Zen 4,
+Intel client cores since Alder Lake), with tile shapes chosen per ISA (:func:`vector_isa` says which was built).
+Without a compiler or at least AVX2 + FMA + F16C, :func:`available` is False and the engine keeps XLA's dot and
+the native attention (on a 2-core AVX2 machine ~12x slower at batch-1 decode).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ log = logging.getLogger("jsgl.kernels.cpu")
 
 PANEL = 48  # output columns per packed panel (kPanel in the C++ source)
 _SOURCES = [Path(__file__).with_name(name)
-            for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h", "cpu_amx.h")]
+            for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_parallel.h", "cpu_math.h", "cpu_amx.h",
+                         "cpu_simd.h")]
 _TARGETS = ("jsgl_packed_matmul", "jsgl_q4_1_matmul", "jsgl_q8_0_matmul", "jsgl_paged_attention",
             "jsgl_rope_write_attention")
 MATMUL_BACKENDS = ("xla", "packed", "gguf")
@@ -63,6 +67,15 @@ def _cpu_signature() -> str:
     except OSError:
         return platform.processor()
     return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def hardware_supported() -> bool:
+    """Whether this CPU has what the kernels need (AVX-512F, or AVX2 + FMA + F16C), from /proc/cpuinfo's flags;
+    for tests that must fail, not skip, where the kernels should build."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = set(" ".join(ln for ln in _cpu_signature().splitlines() if ln.startswith("flags")).split())
+    return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
 def _compile() -> Path:
@@ -99,7 +112,7 @@ def available() -> bool:
                 for name in _TARGETS:
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _status.update(ok=True, lib=lib)
-            except Exception as exc:  # no compiler, no AVX-512, ...: fall back, but say why
+            except Exception as exc:  # no compiler, no AVX2, ...: fall back, but say why
                 log.warning("jsgl CPU kernels unavailable, using XLA's dot and native attention: %s", exc)
                 _status.update(ok=False, error=str(exc))
         return bool(_status["ok"])
@@ -107,6 +120,13 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return None if available() else str(_status.get("error"))
+
+
+def vector_isa() -> str | None:
+    """``"avx512"`` or ``"avx2"``: the vector width the kernels were built for here (None without them)."""
+    if not available():
+        return None
+    return "avx512" if _status["lib"].jsgl_avx512() else "avx2"
 
 
 def amx_enabled() -> bool:

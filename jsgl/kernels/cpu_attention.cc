@@ -15,14 +15,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jsgl::Exp;
-using jsgl::ParallelFor;
+using namespace jsgl;  // Vec and its operations (cpu_simd.h), Exp, ParallelFor
 
 namespace {
 
 // Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~4x fewer shuffles than
 // reducing the 16 vectors one by one.
-inline __m512 SumLanes16(const __m512 v[16]) {
+#if JSGL_AVX512
+inline Vec SumLanes16(const Vec v[16]) {
   __m512 u[8], w[4], x[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i], v[2i+1]
     u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -35,6 +35,20 @@ inline __m512 SumLanes16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+#else
+// AVX2: each vector's halves added, then per eight of them two rounds of hadd (a 128-bit lane's sums of four
+// vectors) and the two lanes added.
+inline __m256 SumLanes8(const __m256 w[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(w[4], w[5]), _mm256_hadd_ps(w[6], w[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+inline Vec SumLanes16(const Vec v[16]) {
+  __m256 u[16];
+  for (int i = 0; i < 16; ++i) u[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  return {SumLanes8(u), SumLanes8(u + 8)};
+}
+#endif
 
 constexpr int64_t kMaxHeadDim = 256;
 // Rows of K or V requested this many keys ahead: slots are scattered over the pool, so the hardware
@@ -75,6 +89,7 @@ constexpr const char* kShapeError =
 constexpr int64_t kBlockedMinTokens = 8;
 
 // kt[d * ld + j] = rows[j][d] for 16 rows (d < head_dim): four 16x16 in-register transposes for D = 64.
+#if JSGL_AVX512
 inline void TransposeKeys(const float* const rows[16], int64_t head_dim, float* kt, int64_t ld) {
   for (int64_t c = 0; c < head_dim; c += 16) {
     __m512 r[16], t[16];
@@ -103,6 +118,35 @@ inline void TransposeKeys(const float* const rows[16], int64_t head_dim, float* 
     }
   }
 }
+#else
+// AVX2: 8 x 8 transposes (r[i] holds row i before, column i after), two row groups per 8 columns.
+inline void Transpose8x8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // per 128-bit lane: rows i, i + 1 interleaved
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // per lane: column 0..3 of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // the low lanes hold columns 0-3, the high ones 4-7
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+inline void TransposeKeys(const float* const rows[16], int64_t head_dim, float* kt, int64_t ld) {
+  for (int64_t c = 0; c < head_dim; c += 8)
+    for (int64_t j0 = 0; j0 < 16; j0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[j0 + i] + c);
+      Transpose8x8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (c + i) * ld + j0, r[i]);
+    }
+}
+#endif
 
 // Keys per block of the prefill kernel, transposed into kt [D][32]. The block's rows (new token x query head
 // of the group) lie in the vector lanes: scores are s[j][r] = sum_d k[j][d] q_t[d][r], a matmul tile whose key
@@ -110,25 +154,33 @@ inline void TransposeKeys(const float* const rows[16], int64_t head_dim, float* 
 // horizontal reduction. (With rows as vectors' outer index, the per-row horizontal max and sum of every block
 // cost about as much as its score FMAs: 94 GFLOP/s on MMLU-shaped extends.)
 constexpr int64_t kKeyBlock = 32;
-constexpr int kTileKeys = 8;  // keys of one score tile: up to 3 row vectors x 8 keys = 24 accumulators
+#if JSGL_AVX512
+constexpr int kTileKeys = 8;     // keys of one score tile: up to 3 row vectors x 8 keys = 24 accumulators
+constexpr int kMaxRowVecs = 3;
+constexpr int kValueVecs = 4;    // o += p v: 4 rows x 64 columns, 16 accumulators
+#else
+constexpr int kTileKeys = 4;     // AVX2: 4 keys x 1 row vector = 8 of the 16 registers
+constexpr int kMaxRowVecs = 1;
+constexpr int kValueVecs = 1;    // 4 rows x 16 columns
+#endif
 
 // s[j][v] (rows ld apart) for keys j < kTileKeys of kt (rows kKeyBlock apart) and RV row vectors of q_t.
 template <int RV>
 inline void ScoreTile(const float* q_t, int64_t ld, const float* kt, int64_t head_dim, float* s) {
-  __m512 acc[kTileKeys][RV];
+  Vec acc[kTileKeys][RV];
   for (int j = 0; j < kTileKeys; ++j)
-    for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int v = 0; v < RV; ++v) acc[j][v] = Zero();
   for (int64_t d = 0; d < head_dim; ++d) {
-    __m512 q[RV];
-    for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(q_t + d * ld + 16 * v);
+    Vec q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = Load(q_t + d * ld + 16 * v);
 #pragma GCC unroll 8
     for (int j = 0; j < kTileKeys; ++j) {
-      const __m512 k = _mm512_set1_ps(kt[d * kKeyBlock + j]);
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+      const Vec k = Set1(kt[d * kKeyBlock + j]);
+      for (int v = 0; v < RV; ++v) acc[j][v] = Fmadd(k, q[v], acc[j][v]);
     }
   }
   for (int j = 0; j < kTileKeys; ++j)
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(s + j * ld + 16 * v, acc[j][v]);
+    for (int v = 0; v < RV; ++v) Store(s + j * ld + 16 * v, acc[j][v]);
 }
 
 // o[r, :16 V] += sum_j p[j][r] v[slot j, :16 V] for the rows (a multiple of 4) and n <= kKeyBlock keys
@@ -137,20 +189,20 @@ template <int V>
 inline void AccumulateValues(float* o, const float* p, int64_t ld, const float* v_head, const int32_t* slots,
                              int64_t n, int64_t rows, int64_t head_dim) {
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    __m512 acc[4][V];
+    Vec acc[4][V];
     for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_loadu_ps(o + (r0 + i) * head_dim + 16 * v);
+      for (int v = 0; v < V; ++v) acc[i][v] = Load(o + (r0 + i) * head_dim + 16 * v);
     for (int64_t jj = 0; jj < n; ++jj) {
       const float* value = v_head + static_cast<int64_t>(slots[jj]) * head_dim;
-      __m512 vv[V];
-      for (int v = 0; v < V; ++v) vv[v] = _mm512_loadu_ps(value + 16 * v);
+      Vec vv[V];
+      for (int v = 0; v < V; ++v) vv[v] = Load(value + 16 * v);
       for (int i = 0; i < 4; ++i) {
-        const __m512 w = _mm512_set1_ps(p[jj * ld + r0 + i]);
-        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(w, vv[v], acc[i][v]);
+        const Vec w = Set1(p[jj * ld + r0 + i]);
+        for (int v = 0; v < V; ++v) acc[i][v] = Fmadd(w, vv[v], acc[i][v]);
       }
     }
     for (int i = 0; i < 4; ++i)
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + (r0 + i) * head_dim + 16 * v, acc[i][v]);
+      for (int v = 0; v < V; ++v) Store(o + (r0 + i) * head_dim + 16 * v, acc[i][v]);
   }
 }
 
@@ -176,7 +228,7 @@ void AttendBlock(const Shapes& shape, const float* qs, const float* k_head, cons
       for (int64_t d = 0; d < head_dim; ++d) q_t[d * ld + r] = src[d] * scale;
     }
   }
-  const __m512 none = _mm512_set1_ps(-INFINITY);
+  const Vec none = Set1(-INFINITY);
   for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
     const int64_t n = std::min<int64_t>(kKeyBlock, keys - j0);
     const float* key_rows[kKeyBlock];
@@ -187,9 +239,10 @@ void AttendBlock(const Shapes& shape, const float* qs, const float* k_head, cons
     // Scores of the block's keys (past n: copies of the last key, masked below), three row vectors at a time.
     for (int64_t j = 0; j < n; j += kTileKeys) {
       for (int64_t v = 0; v < row_vecs;) {
-        const int64_t left = row_vecs - v, rv = left == 4 ? 2 : std::min<int64_t>(3, left);
+        const int64_t left = row_vecs - v, rv = kMaxRowVecs == 3 && left == 4 ? 2 : std::min<int64_t>(kMaxRowVecs, left);
         float* tile = s.data() + j * ld + 16 * v;
         const float* q = q_t.data() + 16 * v;
+#if JSGL_AVX512
         if (rv == 3) {
           ScoreTile<3>(q, ld, kt.data() + j, head_dim, tile);
         } else if (rv == 2) {
@@ -197,56 +250,55 @@ void AttendBlock(const Shapes& shape, const float* qs, const float* k_head, cons
         } else {
           ScoreTile<1>(q, ld, kt.data() + j, head_dim, tile);
         }
+#else
+        ScoreTile<1>(q, ld, kt.data() + j, head_dim, tile);
+#endif
         v += rv;
       }
     }
     // The online softmax, sixteen rows a vector: mask keys a row cannot see (causal, or past the block), take
     // the new maxima, turn scores into weights in place, and rescale what was summed under the old maxima.
     for (int64_t v = 0; v < row_vecs; ++v) {
-      const __m512i visible = _mm512_loadu_si512(limit.data() + 16 * v);
-      const __m512 old_top = _mm512_loadu_ps(top.data() + 16 * v);
-      __m512 new_top = old_top;
+      const IVec visible = LoadInts(limit.data() + 16 * v);
+      const Vec old_top = Load(top.data() + 16 * v);
+      Vec new_top = old_top;
       for (int64_t jj = 0; jj < n; ++jj) {
         float* x = s.data() + jj * ld + 16 * v;
-        const __mmask16 sees = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(static_cast<int32_t>(j0 + jj)));
-        const __m512 score = _mm512_mask_mov_ps(none, sees, _mm512_loadu_ps(x));
-        _mm512_storeu_ps(x, score);
-        new_top = _mm512_max_ps(new_top, score);
+        const Mask sees = IntGreater(visible, static_cast<int32_t>(j0 + jj));
+        const Vec score = Select(sees, none, Load(x));
+        Store(x, score);
+        new_top = Max(new_top, score);
       }
       // Rows that have seen no key yet keep -inf: shift them by 0 so that exp(-inf - shift) is exp(-inf).
-      const __mmask16 seen = _mm512_cmp_ps_mask(new_top, none, _CMP_NEQ_OQ);
-      const __m512 shift = _mm512_maskz_mov_ps(seen, new_top);
-      __m512 sum = _mm512_setzero_ps();
+      const Mask seen = NotEqual(new_top, none);
+      const Vec shift = KeepWhere(seen, new_top);
+      Vec sum = Zero();
       for (int64_t jj = 0; jj < n; ++jj) {
         float* x = s.data() + jj * ld + 16 * v;
-        const __m512 score = _mm512_loadu_ps(x);
-        const __m512 weight = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(score, none, _CMP_NEQ_OQ),
-                                                  Exp(_mm512_sub_ps(score, shift)));
-        _mm512_storeu_ps(x, weight);
-        sum = _mm512_add_ps(sum, weight);
+        const Vec score = Load(x);
+        const Vec weight = KeepWhere(NotEqual(score, none), Exp(Sub(score, shift)));
+        Store(x, weight);
+        sum = Add(sum, weight);
       }
-      const __mmask16 grew = _mm512_cmp_ps_mask(new_top, old_top, _CMP_GT_OQ);
+      const Mask grew = Greater(new_top, old_top);
       // exp(old - new) where the maximum grew (0 where nothing was seen before); 1 elsewhere.
-      const __m512 shrink = _mm512_mask_mov_ps(
-          _mm512_set1_ps(1.f), grew,
-          _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old_top, none, _CMP_NEQ_OQ), Exp(_mm512_sub_ps(old_top, shift))));
-      _mm512_storeu_ps(total.data() + 16 * v,
-                       _mm512_fmadd_ps(_mm512_loadu_ps(total.data() + 16 * v), shrink, sum));
-      _mm512_storeu_ps(top.data() + 16 * v, new_top);
-      if (grew) {
+      const Vec shrink = Select(grew, Set1(1.f), KeepWhere(NotEqual(old_top, none), Exp(Sub(old_top, shift))));
+      Store(total.data() + 16 * v, Fmadd(Load(total.data() + 16 * v), shrink, sum));
+      Store(top.data() + 16 * v, new_top);
+      if (Any(grew)) {
         alignas(64) float factor[16];
-        _mm512_store_ps(factor, shrink);
+        Store(factor, shrink);
+        const unsigned grew_bits = Bits(grew);
         for (int64_t i = 0; i < 16; ++i) {
-          if (!(grew >> i & 1)) continue;
+          if (!(grew_bits >> i & 1)) continue;
           float* orow = o.data() + (16 * v + i) * head_dim;
-          for (int64_t c = 0; c < head_dim; c += 16)
-            _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(orow + c), _mm512_set1_ps(factor[i])));
+          for (int64_t c = 0; c < head_dim; c += 16) Store(orow + c, Mul(Load(orow + c), Set1(factor[i])));
         }
       }
     }
-    // o += p v: four rows by 64 columns at a time, 16 accumulators in registers.
-    for (int64_t c = 0; c < head_dim; c += 64) {
-      const int64_t width = std::min<int64_t>(64, head_dim - c);
+    // o += p v: four rows by 64 columns at a time, 16 accumulators in registers (AVX2: by 16 columns).
+    for (int64_t c = 0; c < head_dim; c += 16 * kValueVecs) {
+      const int64_t width = std::min<int64_t>(16 * kValueVecs, head_dim - c);
       if (width == 64) {
         AccumulateValues<4>(o.data() + c, s.data(), ld, v_head + c, slots + j0, n, ld, head_dim);
       } else if (width == 48) {
@@ -302,10 +354,9 @@ void Attend(const Shapes& shape, const float* qs, const float* ks, const float* 
       if (len <= 0) continue;
       const float* q_rows = qs + (row * q_heads + h * group) * head_dim;  // this kv head's query group
       const int64_t vecs = head_dim / 16, padded = (len + 15) / 16 * 16;
-      __m512 query[kMaxGroup][kMaxHeadDim / 16];  // pre-scaled
+      Vec query[kMaxGroup][kMaxHeadDim / 16];  // pre-scaled
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < vecs; ++i)
-          query[g][i] = _mm512_mul_ps(_mm512_loadu_ps(q_rows + g * head_dim + 16 * i), _mm512_set1_ps(scale));
+        for (int64_t i = 0; i < vecs; ++i) query[g][i] = Mul(Load(q_rows + g * head_dim + 16 * i), Set1(scale));
       // Scores, 16 keys at a time: each key leaves one vector of partial products per query head, and
       // SumLanes16 finishes the 16 dot products together. Keys past len score -inf (weight 0).
       thread_local std::vector<float> scores;
@@ -313,55 +364,51 @@ void Attend(const Shapes& shape, const float* qs, const float* ks, const float* 
       for (int64_t j = 0; j < std::min(len, kPrefetchKeys); ++j) PrefetchRow(k_head + slots[j] * head_dim, head_dim);
       for (int64_t j0 = 0; j0 < len; j0 += 16) {
         const int64_t n = std::min<int64_t>(16, len - j0);
-        __m512 partial[kMaxGroup][16];
+        Vec partial[kMaxGroup][16];
         for (int64_t jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
           if (j + kPrefetchKeys < len) PrefetchRow(k_head + slots[j + kPrefetchKeys] * head_dim, head_dim);
           if (j < len) PrefetchRow(v_head + slots[j] * head_dim, head_dim);  // for the weighted sum below
-          for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_setzero_ps();
+          for (int64_t g = 0; g < group; ++g) partial[g][jj] = Zero();
           if (jj >= n) continue;
           const float* key = k_head + static_cast<int64_t>(slots[j]) * head_dim;
           for (int64_t i = 0; i < vecs; ++i) {
-            const __m512 k = _mm512_loadu_ps(key + 16 * i);
-            for (int64_t g = 0; g < group; ++g) partial[g][jj] = _mm512_fmadd_ps(query[g][i], k, partial[g][jj]);
+            const Vec k = Load(key + 16 * i);
+            for (int64_t g = 0; g < group; ++g) partial[g][jj] = Fmadd(query[g][i], k, partial[g][jj]);
           }
         }
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+        const Mask valid = FirstLanes(n);
         for (int64_t g = 0; g < group; ++g)
-          _mm512_storeu_ps(scores.data() + g * padded + j0,
-                           _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), SumLanes16(partial[g])));
+          Store(scores.data() + g * padded + j0, Select(valid, Set1(-INFINITY), SumLanes16(partial[g])));
       }
       float inv_sum[kMaxGroup];
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * padded;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < padded; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-        const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        __m512 sum = _mm512_setzero_ps();
+        Vec top = Set1(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) top = Max(top, Load(s + j));
+        const Vec shift = Set1(ReduceMax(top));
+        Vec sum = Zero();
         for (int64_t j = 0; j < padded; j += 16) {
-          const __m512 x = _mm512_loadu_ps(s + j);
-          const __m512 e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
-                                                _mm512_setzero_ps(), Exp(_mm512_sub_ps(x, shift)));
-          _mm512_storeu_ps(s + j, e);
-          sum = _mm512_add_ps(sum, e);
+          const Vec x = Load(s + j);
+          const Vec e = Select(NotEqual(x, Set1(-INFINITY)), Zero(), Exp(Sub(x, shift)));
+          Store(s + j, e);
+          sum = Add(sum, e);
         }
-        inv_sum[g] = 1.f / _mm512_reduce_add_ps(sum);
+        inv_sum[g] = 1.f / ReduceAdd(sum);
       }
-      __m512 acc[kMaxGroup][kMaxHeadDim / 16];
+      Vec acc[kMaxGroup][kMaxHeadDim / 16];
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < vecs; ++i) acc[g][i] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < vecs; ++i) acc[g][i] = Zero();
       for (int64_t j = 0; j < len; ++j) {
         const float* value = v_head + static_cast<int64_t>(slots[j]) * head_dim;
         for (int64_t i = 0; i < vecs; ++i) {
-          const __m512 v = _mm512_loadu_ps(value + 16 * i);
-          for (int64_t g = 0; g < group; ++g)
-            acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * padded + j]), v, acc[g][i]);
+          const Vec v = Load(value + 16 * i);
+          for (int64_t g = 0; g < group; ++g) acc[g][i] = Fmadd(Set1(scores[g * padded + j]), v, acc[g][i]);
         }
       }
       float* o_rows = os + (row * q_heads + h * group) * head_dim;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < vecs; ++i)
-          _mm512_storeu_ps(o_rows + g * head_dim + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g])));
+        for (int64_t i = 0; i < vecs; ++i) Store(o_rows + g * head_dim + 16 * i, Mul(acc[g][i], Set1(inv_sum[g])));
     }
   });
 }
@@ -385,11 +432,9 @@ inline void Rope(const float* x, const float* cos, const float* signed_sin, int6
   const int64_t half = head_dim / 2;
   if (half % 16 == 0) {
     for (int64_t i = 0; i < half; i += 16) {
-      const __m512 lo = _mm512_loadu_ps(x + i), hi = _mm512_loadu_ps(x + half + i);
-      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(hi, _mm512_loadu_ps(signed_sin + i),
-                                                _mm512_mul_ps(lo, _mm512_loadu_ps(cos + i))));
-      _mm512_storeu_ps(out + half + i, _mm512_fmadd_ps(lo, _mm512_loadu_ps(signed_sin + half + i),
-                                                       _mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + i))));
+      const Vec lo = Load(x + i), hi = Load(x + half + i);
+      Store(out + i, Fmadd(hi, Load(signed_sin + i), Mul(lo, Load(cos + i))));
+      Store(out + half + i, Fmadd(lo, Load(signed_sin + half + i), Mul(hi, Load(cos + half + i))));
     }
     return;
   }

@@ -1,7 +1,7 @@
 // Matmuls for the jitted step, called through XLA's FFI (built and loaded by jsgl/kernels/cpu.py).
 //
 // jsgl_packed_matmul: y[M, N] = x[M, K] @ W with W packed once, at load, into panels [P, K, 48] of 48
-//   output columns (3 AVX-512 vectors). XLA's CPU dot repacks its weight operand on every call; for the
+//   output columns (3 AVX-512 vectors, 6 AVX2 ones). XLA's CPU dot repacks its weight operand on every call; for the
 //   1-16 rows of a decode step that costs about as much as the arithmetic.
 // jsgl_q4_1_matmul, jsgl_q8_0_matmul: the same over weights kept in the GGUF file's own quantized blocks,
 //   dequantized exactly, in registers (see QuantMicroKernel).
@@ -18,55 +18,74 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jsgl::Exp;
-using jsgl::ParallelFor;
-namespace amx = jsgl::amx;
+using namespace jsgl;  // Vec and its operations (cpu_simd.h), Exp, ParallelFor, amx
 
 namespace {
 
 constexpr int64_t kPanel = 48;  // output columns of one packed panel
-constexpr int64_t kRows = 8;    // rows of one micro-kernel call: 8 x 3 accumulators of 16 floats
+#if JSGL_AVX512
+constexpr int64_t kRows = 8;  // rows of one micro-kernel call: 8 x 3 accumulators of 16 floats
+constexpr int kGroups = 3;    // 16-column groups a micro-kernel holds at once: the whole panel
+#else
+// AVX2 has 16 registers of 8 floats: 6 rows x one 16-column group (12 accumulators, BLIS's Haswell shape), the
+// panel's three groups in turn.
+constexpr int64_t kRows = 6;
+constexpr int kGroups = 1;
+#endif
 // Software prefetch this many panel rows ahead (6 KB): the hardware prefetcher alone left a decode
 // matmul at ~40 GB/s of weights; with it ~54, and 16-row matmuls ran ~15% faster too.
 constexpr int64_t kPrefetchRows = 32;
 
-// Stores the first `cols` (<= 48) of three vectors.
-inline void StoreColumns(float* y, const __m512 v[3], int64_t cols) {
-  for (int j = 0; j < 3; ++j) {
+// Stores the first `cols` (<= 16 G) of G vectors.
+template <int G>
+inline void StoreColumns(float* y, const Vec v[G], int64_t cols) {
+  for (int j = 0; j < G; ++j) {
     const int64_t c = cols - 16 * j;
     if (c >= 16) {
-      _mm512_storeu_ps(y + 16 * j, v[j]);
+      Store(y + 16 * j, v[j]);
     } else if (c > 0) {
-      _mm512_mask_storeu_ps(y + 16 * j, static_cast<__mmask16>((1u << c) - 1), v[j]);
+      StoreFirst(y + 16 * j, FirstLanes(c), v[j]);
     }
   }
 }
 
 // y[r, 0:cols] = sum_k x[r, k] * panel[k, 0:cols] for R rows.
+// (panel: its first column of this call, the rows still kPanel apart; cols <= 16 kGroups.)
 template <int R>
 void MicroKernel(const float* x, int64_t ldx, const float* panel, int64_t k_dim, float* y, int64_t ldy,
                  int64_t cols) {
-  __m512 acc[R][3];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  Vec acc[R][kGroups];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kGroups; ++j) acc[r][j] = Zero();
   for (int64_t k = 0; k < k_dim; ++k) {
     const float* b = panel + k * kPanel;
-    for (int j = 0; j < 3; ++j) _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kPanel + 16 * j), _MM_HINT_T0);
-    const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+    for (int j = 0; j < kGroups; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchRows * kPanel + 16 * j), _MM_HINT_T0);
+    Vec w[kGroups];
+    for (int j = 0; j < kGroups; ++j) w[j] = Load(b + 16 * j);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      const Vec a = Set1(x[r * ldx + k]);
+      for (int j = 0; j < kGroups; ++j) acc[r][j] = Fmadd(a, w[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[r], cols);
+  for (int r = 0; r < R; ++r) StoreColumns<kGroups>(y + r * ldy, acc[r], cols);
 }
 
 using MicroKernelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-constexpr MicroKernelFn kMicroKernels[kRows + 1] = {nullptr,         MicroKernel<1>, MicroKernel<2>,
-                                                    MicroKernel<3>, MicroKernel<4>, MicroKernel<5>,
-                                                    MicroKernel<6>, MicroKernel<7>, MicroKernel<8>};
+template <int... R>
+constexpr std::array<MicroKernelFn, sizeof...(R) + 1> MicroKernels(std::integer_sequence<int, R...>) {
+  return {nullptr, MicroKernel<R + 1>...};
+}
+constexpr auto kMicroKernels = MicroKernels(std::make_integer_sequence<int, kRows>());
+
+// y[0:rows, 0:cols] = x[0:rows] @ a float32 panel: the micro-kernel over the panel's column groups in turn (one
+// call with AVX-512, three with AVX2).
+inline void PanelProduct(const float* x, int64_t rows, const float* panel, int64_t k_dim, float* y, int64_t ldy,
+                         int64_t cols) {
+  for (int64_t c = 0; c < cols; c += 16 * kGroups)
+    kMicroKernels[rows](x, k_dim, panel + c, k_dim, y + c, ldy, std::min<int64_t>(16 * kGroups, cols - c));
+}
 
 // The elementwise work around a layer's matmuls, done here instead of in XLA ops of ~10 us each:
 // before, x <- rms_norm(x) * norm (norm: [K]) or x [M, 2K] <- silu(x[:, :K]) * x[:, K:] (swiglu);
@@ -116,9 +135,8 @@ struct Fusion {
       float* out = y + m * n_dim;
       const float* add = residual + m * n_dim;
       for (int64_t c = c0; c < c0 + cols; c += 16) {  // masked: cols need not be a multiple of 16
-        const __mmask16 mask = static_cast<__mmask16>(c0 + cols - c >= 16 ? 0xFFFF : (1u << (c0 + cols - c)) - 1);
-        _mm512_mask_storeu_ps(out + c, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out + c),
-                                                           _mm512_maskz_loadu_ps(mask, add + c)));
+        const Mask mask = FirstLanes(c0 + cols - c);
+        StoreFirst(out + c, mask, Add(LoadFirst(mask, out + c), LoadFirst(mask, add + c)));
       }
     }
   }
@@ -132,18 +150,18 @@ struct Fusion {
       const float *gate = x + m * 2 * k_dim, *up = gate + k_dim;
       int64_t k = 0;
       for (; k + 16 <= k_dim; k += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + k);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), Exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(out + k, _mm512_mul_ps(silu, _mm512_loadu_ps(up + k)));
+        const Vec g = Load(gate + k);
+        const Vec silu = Div(g, Add(Set1(1.f), Exp(Sub(Zero(), g))));
+        Store(out + k, Mul(silu, Load(up + k)));
       }
       for (; k < k_dim; ++k) out[k] = gate[k] / (1.f + std::exp(-gate[k])) * up[k];
     } else {
       const float* row = x + m * k_dim;
       // Sum of squares in vectors: the scalar loop's dependency chain took ~14 us per 16-row call.
-      __m512 squares = _mm512_setzero_ps();
+      Vec squares = Zero();
       int64_t k = 0;
-      for (; k + 16 <= k_dim; k += 16) squares = _mm512_fmadd_ps(_mm512_loadu_ps(row + k), _mm512_loadu_ps(row + k), squares);
-      float sum = _mm512_reduce_add_ps(squares);
+      for (; k + 16 <= k_dim; k += 16) squares = Fmadd(Load(row + k), Load(row + k), squares);
+      float sum = ReduceAdd(squares);
       for (; k < k_dim; ++k) sum += row[k] * row[k];
       const float scale = 1.f / std::sqrt(sum / static_cast<float>(k_dim) + eps);
       for (k = 0; k < k_dim; ++k) out[k] = row[k] * scale * norm[k];
@@ -187,7 +205,7 @@ bool AmxMatmul(const float* x, int64_t m_dim, int64_t k_dim, PairFn pair, const 
     uint16_t* b_tiles = b_buffer.data();
     PairFn panel_pair = pair;  // its own copy per task: a quantized pair keeps its block's scales
     for (int64_t g = 0; g < groups; ++g)
-      amx::SplitGroup(k_dim, g, [&](int64_t k2, __m512& w0, __m512& w1) { panel_pair(p + g / 3, k2, g % 3 * 16, w0, w1); },
+      amx::SplitGroup(k_dim, g, [&](int64_t k2, Vec& w0, Vec& w1) { panel_pair(p + g / 3, k2, g % 3 * 16, w0, w1); },
                       b_tiles);
     if (groups % 2) {  // the last pair's second half: zero weights
       for (int64_t kb = 0; kb < k_dim / amx::kTileK; ++kb)
@@ -205,9 +223,9 @@ bool AmxMatmul(const float* x, int64_t m_dim, int64_t k_dim, PairFn pair, const 
         amx::PairProduct(a_tiles + m0 * k_dim * 2, k_dim, b_tiles + q * pair_elems, out + 32 * q, ldo);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; c += kPanel) {
-          const __m512 row[3] = {_mm512_load_ps(out + r * ldo + c), _mm512_load_ps(out + r * ldo + c + 16),
-                                 _mm512_load_ps(out + r * ldo + c + 32)};
-          StoreColumns(ys + (m0 + r) * n_dim + p * kPanel + c, row, cols - c);
+          const Vec row[3] = {_mm512_load_ps(out + r * ldo + c), _mm512_load_ps(out + r * ldo + c + 16),
+                              _mm512_load_ps(out + r * ldo + c + 32)};
+          StoreColumns<3>(ys + (m0 + r) * n_dim + p * kPanel + c, row, cols - c);
         }
       fusion.Finish(ys, m0, rows, n_dim, p * kPanel, cols);
     }
@@ -234,10 +252,10 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
   const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
-  auto pair = [&](int64_t p, int64_t k2, int64_t c, __m512& w0, __m512& w1) {
+  auto pair = [&](int64_t p, int64_t k2, int64_t c, Vec& w0, Vec& w1) {
     const float* panel = ws + p * k_dim * kPanel;
-    w0 = _mm512_loadu_ps(panel + 2 * k2 * kPanel + c);
-    w1 = _mm512_loadu_ps(panel + (2 * k2 + 1) * kPanel + c);
+    w0 = Load(panel + 2 * k2 * kPanel + c);
+    w1 = Load(panel + (2 * k2 + 1) * kPanel + c);
   };
   if (AmxMatmul(xs, m_dim, k_dim, pair, *fusion, ys, n_dim)) return ffi::Error::Success();
   // One task per panel: the panel stays in cache while every row block passes over it.
@@ -246,7 +264,7 @@ ffi::Error PackedMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels, f
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     for (int64_t m = 0; m < m_dim; m += kRows) {
       const int64_t rows = std::min(kRows, m_dim - m);
-      kMicroKernels[rows](xs + m * k_dim, k_dim, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
+      PanelProduct(xs + m * k_dim, rows, panel, k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
       fusion->Finish(ys, m, rows, n_dim, p * kPanel, cols);
     }
   });
@@ -269,29 +287,25 @@ struct QuantBlock {
   static constexpr int64_t kBytes = kCodeOffset + 32 / kRowsPerByte * kPanel;
 
   // d and m of columns [c, c + 16) of a block.
-  static __m512 D(const uint8_t* block, int64_t c) { return Half(block + 2 * c); }
-  static __m512 M(const uint8_t* block, int64_t c) {
-    return kQ4 ? Half(block + 2 * (kPanel + c)) : _mm512_setzero_ps();
-  }
+  static Vec D(const uint8_t* block, int64_t c) { return Halves(block + 2 * c); }
+  static Vec M(const uint8_t* block, int64_t c) { return kQ4 ? Halves(block + 2 * (kPanel + c)) : Zero(); }
 
   // The codes (as floats) of rows 2t and 2t + 1 (t < 16) of a block, columns [c, c + 16).
-  static void Codes(const uint8_t* block, int64_t t, int64_t c, __m512& q0, __m512& q1) {
+  static void Codes(const uint8_t* block, int64_t t, int64_t c, Vec& q0, Vec& q1) {
     const uint8_t* codes = block + kCodeOffset + c;
     if constexpr (kQ4) {
-      const __m512i q = _mm512_cvtepu8_epi32(Bytes(codes + t * kPanel));
-      q0 = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)));
-      q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+      Nibbles(codes + t * kPanel, q0, q1);
     } else {
-      q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + 2 * t * kPanel)));
-      q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Bytes(codes + (2 * t + 1) * kPanel)));
+      q0 = Int8s(codes + 2 * t * kPanel);
+      q1 = Int8s(codes + (2 * t + 1) * kPanel);
     }
   }
 
   // Their weights, d * q (+ m).
-  static void Pair(const uint8_t* block, int64_t t, int64_t c, __m512 d, __m512 m, __m512& w0, __m512& w1) {
+  static void Pair(const uint8_t* block, int64_t t, int64_t c, Vec d, Vec m, Vec& w0, Vec& w1) {
     Codes(block, t, c, w0, w1);
-    w0 = kQ4 ? _mm512_fmadd_ps(w0, d, m) : _mm512_mul_ps(w0, d);
-    w1 = kQ4 ? _mm512_fmadd_ps(w1, d, m) : _mm512_mul_ps(w1, d);
+    w0 = kQ4 ? Fmadd(w0, d, m) : Mul(w0, d);
+    w1 = kQ4 ? Fmadd(w1, d, m) : Mul(w1, d);
   }
 
   // Prefetches the stream kPrefetchBytes past the code rows of pair t.
@@ -305,16 +319,25 @@ struct QuantBlock {
   // 8 KB ahead: a thread streams one contiguous run of panels, so this runs on into its next panel
   // (1.5 KB was ~5% slower at 16 rows).
   static constexpr int64_t kPrefetchBytes = 8192;
-  static __m128i Bytes(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-  static __m512 Half(const uint8_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
 };
 
+constexpr int64_t kWideRows = 4;  // rows the wide kernel (below) takes, scales folded out of its sums
+#if JSGL_AVX512
+constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
+constexpr int kWideGroups = 3;            // 16-column groups the wide kernel sums at once: the whole panel
+#else
+// AVX2: the 16-column kernel's 16 accumulators would take all 32 half registers, so from 5 rows the panel is
+// dequantized once into cache for the float32 kernel; the wide kernel sums one group at a time.
+constexpr int64_t kDequantizeAbove = kWideRows;
+constexpr int kWideGroups = 1;
+#endif
+
+#if JSGL_AVX512
 // y[0:R, 0:cols] = x[0:R, :] @ W[:, columns c .. c + 16 of a panel]: each row of 16 weights is dequantized
 // in registers and used for all R (<= 16) rows at once, so a decode step reads 4-8 bits per weight and
 // dequantizes each weight once per 16 rows.
 constexpr int64_t kQuantRows = 16;
+static_assert(kDequantizeAbove <= kQuantRows, "the 16-column kernel takes all rows at once");
 
 // In-register transpose of a 16 x 16 block: r[i] holds row i before, column i after.
 inline void Transpose16x16(__m512 r[16]) {
@@ -357,26 +380,33 @@ template <int R, bool kQ4>
 void QuantMicroKernel(const float* x_t, const uint8_t* panel, int64_t c, int64_t k_dim, float* y, int64_t ldy,
                       int64_t cols) {
   using Block = QuantBlock<kQ4>;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  Vec acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Zero();
   for (int64_t b = 0; b < k_dim / 32; ++b) {
     const uint8_t* block = panel + b * Block::kBytes;
-    const __m512 d = Block::D(block, c), m = Block::M(block, c);
+    const Vec d = Block::D(block, c), m = Block::M(block, c);
     for (int64_t t = 0; t < 16; ++t) {
       Block::Prefetch(block, t);
-      __m512 w0, w1;
+      Vec w0, w1;
       Block::Pair(block, t, c, d, m, w0, w1);
       const float* x0 = x_t + (32 * b + 2 * t) * kQuantRows;
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), w0, acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[kQuantRows + r]), w1, acc[r]);
+        acc[r] = Fmadd(Set1(x0[r]), w0, acc[r]);
+        acc[r] = Fmadd(Set1(x0[kQuantRows + r]), w1, acc[r]);
       }
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+  const Mask mask = FirstLanes(cols);
+  for (int r = 0; r < R; ++r) StoreFirst(y + r * ldy, mask, acc[r]);
 }
+
+using QuantMicroKernelFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
+template <bool kQ4, int... R>
+constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
+  return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
+}
+#endif  // JSGL_AVX512
 
 // The same weights written out as a float32 panel [K, 48]: for many rows, dequantizing each weight once
 // into cache and running the float32 micro-kernel beats dequantizing it again for every 16 rows.
@@ -386,13 +416,13 @@ void DequantizePanel(const uint8_t* panel, int64_t k_dim, float* out) {
   for (int64_t b = 0; b < k_dim / 32; ++b) {
     const uint8_t* block = panel + b * Block::kBytes;
     for (int64_t c = 0; c < kPanel; c += 16) {
-      const __m512 d = Block::D(block, c), m = Block::M(block, c);
+      const Vec d = Block::D(block, c), m = Block::M(block, c);
       for (int64_t t = 0; t < 16; ++t) {
-        __m512 w0, w1;
+        Vec w0, w1;
         Block::Pair(block, t, c, d, m, w0, w1);
         float* row = out + (32 * b + 2 * t) * kPanel + c;
-        _mm512_storeu_ps(row, w0);
-        _mm512_storeu_ps(row + kPanel, w1);
+        Store(row, w0);
+        Store(row + kPanel, w1);
       }
     }
   }
@@ -404,71 +434,72 @@ constexpr int kSplitRows = 2;  // up to this many rows the wide kernel keeps eve
 // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k per block, which halves the FMAs per weight (the
 // kernel is bound by them at one row). The weights are the same; the sums differ from the float32 kernel's
 // by rounding only. Three independent accumulator chains per row, since a single row is bound by the FMA
-// latency, and for R <= 2 two sets of them (even and odd k).
+// latency, and for R <= 2 two sets of them (even and odd k). Columns [c0, c0 + 16 kWideGroups) of the panel: all
+// three groups at once with AVX-512; AVX2 takes one group a call (its 16 registers hold 8 floats each).
 // x_sums [R][K/32]: each row's sum over each block.
-template <int R, bool kQ4>
+template <int R, bool kQ4, int64_t c0>
 void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim,
                           float* y, int64_t ldy, int64_t cols) {
   using Block = QuantBlock<kQ4>;
   constexpr int kSets = R <= kSplitRows ? 2 : 1;
   const int64_t num_blocks = k_dim / 32;
-  __m512 acc[R][3];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+  Vec acc[R][kWideGroups];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kWideGroups; ++j) acc[r][j] = Zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panel + b * Block::kBytes;
-    __m512 dot[kSets][R][3];  // sum_k x_k q_k over this block
+    Vec dot[kSets][R][kWideGroups];  // sum_k x_k q_k over this block
     for (int s = 0; s < kSets; ++s)
-      for (int r = 0; r < R; ++r) dot[s][r][0] = dot[s][r][1] = dot[s][r][2] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < kWideGroups; ++j) dot[s][r][j] = Zero();
     auto& odd = dot[kSets - 1];
     for (int64_t t = 0; t < 16; ++t) {
       Block::Prefetch(block, t);
       const int64_t k = 32 * b + 2 * t;
-      for (int j = 0; j < 3; ++j) {
-        __m512 q0, q1;
-        Block::Codes(block, t, 16 * j, q0, q1);
+      for (int j = 0; j < kWideGroups; ++j) {
+        Vec q0, q1;
+        Block::Codes(block, t, c0 + 16 * j, q0, q1);
         for (int r = 0; r < R; ++r) {
-          dot[0][r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), q0, dot[0][r][j]);
-          odd[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + 1]), q1, odd[r][j]);
+          dot[0][r][j] = Fmadd(Set1(x[r * ldx + k]), q0, dot[0][r][j]);
+          odd[r][j] = Fmadd(Set1(x[r * ldx + k + 1]), q1, odd[r][j]);
         }
       }
     }
-    for (int j = 0; j < 3; ++j) {
-      const __m512 d = Block::D(block, 16 * j), m = Block::M(block, 16 * j);
+    for (int j = 0; j < kWideGroups; ++j) {
+      const Vec d = Block::D(block, c0 + 16 * j), m = Block::M(block, c0 + 16 * j);
       for (int r = 0; r < R; ++r) {
-        const __m512 sum = kSets == 2 ? _mm512_add_ps(dot[0][r][j], odd[r][j]) : dot[0][r][j];
-        acc[r][j] = _mm512_fmadd_ps(d, sum, acc[r][j]);
-        if constexpr (kQ4) acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(x_sums[r * num_blocks + b]), acc[r][j]);
+        const Vec sum = kSets == 2 ? Add(dot[0][r][j], odd[r][j]) : dot[0][r][j];
+        acc[r][j] = Fmadd(d, sum, acc[r][j]);
+        if constexpr (kQ4) acc[r][j] = Fmadd(m, Set1(x_sums[r * num_blocks + b]), acc[r][j]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) StoreColumns(y + r * ldy, acc[r], cols);
+  for (int r = 0; r < R; ++r) StoreColumns<kWideGroups>(y + r * ldy, acc[r], cols);
 }
 
-constexpr int64_t kWideRows = 4;
-constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
-static_assert(kDequantizeAbove <= kQuantRows, "the 16-column kernel takes all rows at once");
-using QuantMicroKernelFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*, int64_t, int64_t);
 using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t,
                                         int64_t);
-template <bool kQ4, int... R>
-constexpr std::array<QuantMicroKernelFn, sizeof...(R) + 1> QuantKernels(std::integer_sequence<int, R...>) {
-  return {nullptr, QuantMicroKernel<R + 1, kQ4>...};
-}
-template <bool kQ4, int... R>
+template <bool kQ4, int64_t c0, int... R>
 constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(std::integer_sequence<int, R...>) {
-  return {nullptr, QuantMicroKernelWide<R + 1, kQ4>...};
+  return {nullptr, QuantMicroKernelWide<R + 1, kQ4, c0>...};
+}
+// [column group the call starts at][rows]: the groups' start is a constant, as it was before AVX2 (a runtime
+// offset cost the one-row AVX-512 kernel ~30% more instructions).
+template <bool kQ4, int64_t... Groups>
+constexpr std::array<std::array<WideQuantMicroKernelFn, kWideRows + 1>, sizeof...(Groups)> WideQuantKernelTable(
+    std::integer_sequence<int64_t, Groups...>) {
+  return {WideQuantKernels<kQ4, 16 * kWideGroups * Groups>(std::make_integer_sequence<int, kWideRows>())...};
 }
 
 // blocks [P, K/32, QuantBlock::kBytes]; one task per panel: for at most 4 rows all 48 columns at once, for
-// up to 16 its three 16-column groups in turn (they share the panel's bytes in cache), for more the
+// up to 16 (AVX-512) its three 16-column groups in turn (they share the panel's bytes in cache), for more the
 // dequantized panel. From 5 rows on they give the float32 kernel's sums bit for bit (the wide kernel
 // folds the scales out of its sums).
 template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> norm,
                        ffi::Buffer<ffi::F32> residual, float eps, bool swiglu, ffi::ResultBuffer<ffi::F32> y) {
   using Block = QuantBlock<kQ4>;
-  static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
-  static constexpr auto wide_kernels = WideQuantKernels<kQ4>(std::make_integer_sequence<int, kWideRows>());
+  static constexpr auto wide_kernels = WideQuantKernelTable<kQ4>(std::make_integer_sequence<int64_t, 3 / kWideGroups>());
   const auto xd = x.dimensions(), bd = blocks.dimensions(), yd = y->dimensions();
   const int64_t k_dim = xd.size() == 2 ? xd[1] / (swiglu ? 2 : 1) : -1;
   if (xd.size() != 2 || bd.size() != 3 || yd.size() != 2 || k_dim % 32 != 0 || bd[1] * 32 != k_dim ||
@@ -482,6 +513,8 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
   const float* xs = fusion->Input(x.typed_data(), m_dim, k_dim, input);
   const uint8_t* bs = blocks.typed_data();
   float* ys = y->typed_data();
+#if JSGL_AVX512
+  static constexpr auto kernels = QuantKernels<kQ4>(std::make_integer_sequence<int, kQuantRows>());
   // x transposed for the 16-column kernel (rows past m_dim are never read). The tasks get its address:
   // the helpers would see their own thread_local buffer.
   thread_local std::vector<float> x_t_buffer;
@@ -490,6 +523,7 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
     TransposeRows(xs, m_dim, k_dim, x_t_buffer.data());
   }
   const float* x_t = x_t_buffer.data();
+#endif
   // Each row's sums over the blocks, for the wide kernel.
   thread_local std::vector<float> x_sums_buffer;
   if (m_dim <= kWideRows) {
@@ -497,13 +531,12 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
     for (int64_t r = 0; r < m_dim; ++r)
       for (int64_t b = 0; b < bd[1]; ++b) {
         const float* xb = xs + r * k_dim + 32 * b;
-        x_sums_buffer[r * bd[1] + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)));
+        x_sums_buffer[r * bd[1] + b] = ReduceAdd(Add(Load(xb), Load(xb + 16)));
       }
   }
   const float* x_sums = x_sums_buffer.data();
   // Called for k2 = 0, 1, ... of one panel's columns in turn: a block's scales are read at its first pair.
-  auto pair = [&, d = _mm512_setzero_ps(), m = _mm512_setzero_ps()](int64_t p, int64_t k2, int64_t c, __m512& w0,
-                                                                   __m512& w1) mutable {
+  auto pair = [&, d = Zero(), m = Zero()](int64_t p, int64_t k2, int64_t c, Vec& w0, Vec& w1) mutable {
     const uint8_t* block = bs + (p * bd[1] + k2 / 16) * Block::kBytes;
     if (k2 % 16 == 0) d = Block::D(block, c), m = Block::M(block, c);
     Block::Pair(block, k2 % 16, c, d, m, w0, w1);
@@ -513,18 +546,21 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
     const uint8_t* panel = bs + p * bd[1] * Block::kBytes;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
     if (m_dim <= kWideRows) {
-      wide_kernels[m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel, n_dim, cols);
+      for (int64_t c = 0; c < cols; c += 16 * kWideGroups)  // once with AVX-512; AVX2: each group in turn
+        wide_kernels[c / (16 * kWideGroups)][m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel + c, n_dim,
+                                                    std::min<int64_t>(16 * kWideGroups, cols - c));
+#if JSGL_AVX512
     } else if (m_dim <= kDequantizeAbove) {
       for (int64_t g = 0; g < cols; g += 16)
         kernels[m_dim](x_t, panel, g, k_dim, ys + p * kPanel + g, n_dim, std::min<int64_t>(16, cols - g));
+#endif
     } else {
       thread_local std::vector<float> scratch;
       scratch.resize(k_dim * kPanel);
       DequantizePanel<kQ4>(panel, k_dim, scratch.data());
       for (int64_t m = 0; m < m_dim; m += kRows) {
         const int64_t rows = std::min(kRows, m_dim - m);
-        kMicroKernels[rows](xs + m * k_dim, k_dim, scratch.data(), k_dim, ys + m * n_dim + p * kPanel,
-                                     n_dim, cols);
+        PanelProduct(xs + m * k_dim, rows, scratch.data(), k_dim, ys + m * n_dim + p * kPanel, n_dim, cols);
         fusion->Finish(ys, m, rows, n_dim, p * kPanel, cols);
       }
       return;
@@ -538,6 +574,8 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
 
 // For jsgl/kernels/cpu.py's amx_enabled(): whether prefill-sized matmuls take the AMX path in this process.
 extern "C" int jsgl_amx_enabled() { return amx::Enabled() ? 1 : 0; }
+// For cpu.py's vector_isa(): 1 for the AVX-512 build, 0 for AVX2.
+extern "C" int jsgl_avx512() { return JSGL_AVX512; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jsgl_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()

@@ -17,10 +17,6 @@
 #include <thread>
 #include <vector>
 
-#ifndef __AVX512F__
-#error "the jsgl CPU kernels need AVX-512F"
-#endif
-
 namespace jsgl {
 
 // Helper threads for ParallelFor: one fewer than the cores this process may use (JSGL_CPU_THREADS sets
