@@ -434,29 +434,31 @@ constexpr int kSplitRows = 2;  // up to this many rows the wide kernel keeps eve
 // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k per block, which halves the FMAs per weight (the
 // kernel is bound by them at one row). The weights are the same; the sums differ from the float32 kernel's
 // by rounding only. Three independent accumulator chains per row, since a single row is bound by the FMA
-// latency, and for R <= 2 two sets of them (even and odd k). Columns [c0, c0 + 16 kWideGroups) of the panel: all
-// three groups at once with AVX-512; AVX2 takes one group a call (its 16 registers hold 8 floats each).
+// latency, and for R <= 2 two sets of them (even and odd k). Columns [c0, c0 + 16 G) of the panel: all three
+// groups at once with AVX-512, and with AVX2 at one row (one set of sums: its 16 registers hold 8 floats each);
+// AVX2 at 2-4 rows takes one group a call.
 // x_sums [R][K/32]: each row's sum over each block.
-template <int R, bool kQ4, int64_t c0>
+template <int R, bool kQ4, int64_t c0, int G = kWideGroups>
 void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim,
                           float* y, int64_t ldy, int64_t cols) {
   using Block = QuantBlock<kQ4>;
-  constexpr int kSets = R <= kSplitRows ? 2 : 1;
+  // AVX2 summing all three groups (one row) has registers for one set: 6 sums + 4 codes + 2 broadcasts.
+  constexpr int kSets = R <= kSplitRows && (JSGL_AVX512 || G == 1) ? 2 : 1;
   const int64_t num_blocks = k_dim / 32;
-  Vec acc[R][kWideGroups];
+  Vec acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kWideGroups; ++j) acc[r][j] = Zero();
+    for (int j = 0; j < G; ++j) acc[r][j] = Zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = panel + b * Block::kBytes;
-    Vec dot[kSets][R][kWideGroups];  // sum_k x_k q_k over this block
+    Vec dot[kSets][R][G];  // sum_k x_k q_k over this block
     for (int s = 0; s < kSets; ++s)
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < kWideGroups; ++j) dot[s][r][j] = Zero();
+        for (int j = 0; j < G; ++j) dot[s][r][j] = Zero();
     auto& odd = dot[kSets - 1];
     for (int64_t t = 0; t < 16; ++t) {
       Block::Prefetch(block, t);
       const int64_t k = 32 * b + 2 * t;
-      for (int j = 0; j < kWideGroups; ++j) {
+      for (int j = 0; j < G; ++j) {
         Vec q0, q1;
         Block::Codes(block, t, c0 + 16 * j, q0, q1);
         for (int r = 0; r < R; ++r) {
@@ -465,7 +467,7 @@ void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, cons
         }
       }
     }
-    for (int j = 0; j < kWideGroups; ++j) {
+    for (int j = 0; j < G; ++j) {
       const Vec d = Block::D(block, c0 + 16 * j), m = Block::M(block, c0 + 16 * j);
       for (int r = 0; r < R; ++r) {
         const Vec sum = kSets == 2 ? Add(dot[0][r][j], odd[r][j]) : dot[0][r][j];
@@ -474,7 +476,7 @@ void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, cons
       }
     }
   }
-  for (int r = 0; r < R; ++r) StoreColumns<kWideGroups>(y + r * ldy, acc[r], cols);
+  for (int r = 0; r < R; ++r) StoreColumns<G>(y + r * ldy, acc[r], cols);
 }
 
 using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t,
@@ -545,7 +547,9 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const uint8_t* panel = bs + p * bd[1] * Block::kBytes;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
-    if (m_dim <= kWideRows) {
+    if (!JSGL_AVX512 && m_dim == 1) {  // AVX2, one row: the three groups at once, the codes unpacked once
+      QuantMicroKernelWide<1, kQ4, 0, 3>(xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel, n_dim, cols);
+    } else if (m_dim <= kWideRows) {
       for (int64_t c = 0; c < cols; c += 16 * kWideGroups)  // once with AVX-512; AVX2: each group in turn
         wide_kernels[c / (16 * kWideGroups)][m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel + c, n_dim,
                                                     std::min<int64_t>(16 * kWideGroups, cols - c));
