@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(not SUPPORTED,
 
 def test_kernels_build_and_register():
     assert cpu.available(), f"the CPU kernels failed to build or register: {cpu.unavailable_reason()}"
+    # Built for the widest vectors the CPU has: AVX-512 where it is, else AVX2 (two registers a vector).
+    assert cpu.vector_isa() == ("avx512" if "avx512f" in Path("/proc/cpuinfo").read_text() else "avx2")
 
 
 # ------------------------------------------------------------------------------------------------- matmul

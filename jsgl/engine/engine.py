@@ -305,6 +305,7 @@ class Engine:
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
             "matmul_backend": self.runner.matmul_backend, "amx_prefill": self.amx_prefill,
+            "cpu_vector_isa": cpu_kernels.vector_isa() if self.runner.matmul_backend != "xla" else None,
             "unplanned_compiles": self.runner.unplanned_compiles,
             "weight_bytes": self.memory_plan.weight_bytes, "kv_bytes": self.memory_plan.kv_bytes,
             "device_bytes": self.memory_plan.device_bytes, "device_free_bytes": self.memory_plan.free_bytes,
