@@ -324,13 +324,14 @@ struct QuantBlock {
 constexpr int64_t kWideRows = 4;  // rows the wide kernel (below) takes, scales folded out of its sums
 #if JSGL_AVX512
 constexpr int64_t kDequantizeAbove = 16;  // rows; more go through DequantizePanel
-constexpr int kWideGroups = 3;            // 16-column groups the wide kernel sums at once: the whole panel
 #else
 // AVX2: the 16-column kernel's 16 accumulators would take all 32 half registers, so from 5 rows the panel is
-// dequantized once into cache for the float32 kernel; the wide kernel sums one group at a time.
+// dequantized once into cache for the float32 kernel.
 constexpr int64_t kDequantizeAbove = kWideRows;
-constexpr int kWideGroups = 1;
 #endif
+// 16-column groups the wide kernel sums at once for R rows: the whole panel with AVX-512; AVX2's 16 registers of 8
+// floats hold that only for one row (one set of sums), else one group at a time.
+constexpr int WideGroups(int rows) { return JSGL_AVX512 || rows == 1 ? 3 : 1; }
 
 #if JSGL_AVX512
 // y[0:R, 0:cols] = x[0:R, :] @ W[:, columns c .. c + 16 of a panel]: each row of 16 weights is dequantized
@@ -434,13 +435,11 @@ constexpr int kSplitRows = 2;  // up to this many rows the wide kernel keeps eve
 // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k per block, which halves the FMAs per weight (the
 // kernel is bound by them at one row). The weights are the same; the sums differ from the float32 kernel's
 // by rounding only. Three independent accumulator chains per row, since a single row is bound by the FMA
-// latency, and for R <= 2 two sets of them (even and odd k). Columns [c0, c0 + 16 G) of the panel: all three
-// groups at once with AVX-512, and with AVX2 at one row (one set of sums: its 16 registers hold 8 floats each);
-// AVX2 at 2-4 rows takes one group a call.
+// latency, and for R <= 2 two sets of them (even and odd k). One pass: columns [c0, c0 + 16 G) of the panel.
 // x_sums [R][K/32]: each row's sum over each block.
-template <int R, bool kQ4, int64_t c0, int G = kWideGroups>
-void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim,
-                          float* y, int64_t ldy, int64_t cols) {
+template <int R, bool kQ4, int64_t c0, int G>
+void QuantWidePass(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim, float* y,
+                   int64_t ldy, int64_t cols) {
   using Block = QuantBlock<kQ4>;
   // AVX2 summing all three groups (one row) has registers for one set: 6 sums + 4 codes + 2 broadcasts.
   constexpr int kSets = R <= kSplitRows && (JSGL_AVX512 || G == 1) ? 2 : 1;
@@ -479,18 +478,28 @@ void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, cons
   for (int r = 0; r < R; ++r) StoreColumns<G>(y + r * ldy, acc[r], cols);
 }
 
+// All of a panel's columns: one pass with AVX-512, a pass per group where AVX2 takes one at a time. Each pass's start
+// is a constant (a runtime column offset cost the one-row AVX-512 kernel ~30% more instructions).
+template <int R, bool kQ4, int64_t... Pass>
+void QuantPasses(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim, float* y,
+                 int64_t ldy, int64_t cols, std::integer_sequence<int64_t, Pass...>) {
+  constexpr int G = WideGroups(R);
+  ((16 * G * Pass < cols ? QuantWidePass<R, kQ4, 16 * G * Pass, G>(x, ldx, x_sums, panel, k_dim, y + 16 * G * Pass,
+                                                                    ldy, std::min<int64_t>(16 * G, cols - 16 * G * Pass))
+                         : void()),
+   ...);
+}
+template <int R, bool kQ4>
+void QuantMicroKernelWide(const float* x, int64_t ldx, const float* x_sums, const uint8_t* panel, int64_t k_dim,
+                          float* y, int64_t ldy, int64_t cols) {
+  QuantPasses<R, kQ4>(x, ldx, x_sums, panel, k_dim, y, ldy, cols, std::make_integer_sequence<int64_t, 3 / WideGroups(R)>());
+}
+
 using WideQuantMicroKernelFn = void (*)(const float*, int64_t, const float*, const uint8_t*, int64_t, float*, int64_t,
                                         int64_t);
-template <bool kQ4, int64_t c0, int... R>
+template <bool kQ4, int... R>
 constexpr std::array<WideQuantMicroKernelFn, sizeof...(R) + 1> WideQuantKernels(std::integer_sequence<int, R...>) {
-  return {nullptr, QuantMicroKernelWide<R + 1, kQ4, c0>...};
-}
-// [column group the call starts at][rows]: the groups' start is a constant, as it was before AVX2 (a runtime
-// offset cost the one-row AVX-512 kernel ~30% more instructions).
-template <bool kQ4, int64_t... Groups>
-constexpr std::array<std::array<WideQuantMicroKernelFn, kWideRows + 1>, sizeof...(Groups)> WideQuantKernelTable(
-    std::integer_sequence<int64_t, Groups...>) {
-  return {WideQuantKernels<kQ4, 16 * kWideGroups * Groups>(std::make_integer_sequence<int, kWideRows>())...};
+  return {nullptr, QuantMicroKernelWide<R + 1, kQ4>...};
 }
 
 // blocks [P, K/32, QuantBlock::kBytes]; one task per panel: for at most 4 rows all 48 columns at once, for
@@ -501,7 +510,7 @@ template <bool kQ4>
 ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi::Buffer<ffi::F32> norm,
                        ffi::Buffer<ffi::F32> residual, float eps, bool swiglu, ffi::ResultBuffer<ffi::F32> y) {
   using Block = QuantBlock<kQ4>;
-  static constexpr auto wide_kernels = WideQuantKernelTable<kQ4>(std::make_integer_sequence<int64_t, 3 / kWideGroups>());
+  static constexpr auto wide_kernels = WideQuantKernels<kQ4>(std::make_integer_sequence<int, kWideRows>());
   const auto xd = x.dimensions(), bd = blocks.dimensions(), yd = y->dimensions();
   const int64_t k_dim = xd.size() == 2 ? xd[1] / (swiglu ? 2 : 1) : -1;
   if (xd.size() != 2 || bd.size() != 3 || yd.size() != 2 || k_dim % 32 != 0 || bd[1] * 32 != k_dim ||
@@ -547,12 +556,8 @@ ffi::Error QuantMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> blocks, ffi
   ParallelFor((n_dim + kPanel - 1) / kPanel, [&](int64_t p) {
     const uint8_t* panel = bs + p * bd[1] * Block::kBytes;
     const int64_t cols = std::min(kPanel, n_dim - p * kPanel);
-    if (!JSGL_AVX512 && m_dim == 1) {  // AVX2, one row: the three groups at once, the codes unpacked once
-      QuantMicroKernelWide<1, kQ4, 0, 3>(xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel, n_dim, cols);
-    } else if (m_dim <= kWideRows) {
-      for (int64_t c = 0; c < cols; c += 16 * kWideGroups)  // once with AVX-512; AVX2: each group in turn
-        wide_kernels[c / (16 * kWideGroups)][m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel + c, n_dim,
-                                                    std::min<int64_t>(16 * kWideGroups, cols - c));
+    if (m_dim <= kWideRows) {
+      wide_kernels[m_dim](xs, k_dim, x_sums, panel, k_dim, ys + p * kPanel, n_dim, cols);
 #if JSGL_AVX512
     } else if (m_dim <= kDequantizeAbove) {
       for (int64_t g = 0; g < cols; g += 16)
