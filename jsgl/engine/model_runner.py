@@ -117,7 +117,8 @@ class PendingStep:
 def enable_compilation_cache() -> None:
     path = os.environ.get("JSGL_JAX_CACHE", str(cache_dir() / "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("JSGL_JAX_CACHE_MIN_SECS", "0.5")))
 
 
 def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale, previous_tokens,
