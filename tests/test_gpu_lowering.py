@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jsgl.engine.model_runner import _step
-from jsgl.engine.step_inputs import StepLayout
+from jsgl.engine.model_runner import _sample_step, _step
+from jsgl.engine.step_inputs import StepLayout, sampling_size
 from jsgl.model.config import LLAMA3_8B, ModelConfig
 from jsgl.model.llama import param_shapes
 
@@ -48,13 +48,10 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float
                                                                    sharding=NamedSharding(parallel.mesh, spec)),
                               params, parallel.param_specs(params), is_leaf=lambda x: isinstance(x, PartitionSpec))
     kv = ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
-    vocab, b = cfg.vocab_size, layout.num_b
+    b = layout.num_b
     step = jax.jit(functools.partial(_step, layout=layout, config=forward, attention_backend="pallas", prompt_top_k=-1,
-                                     top_logprobs=20, tp=parallel), donate_argnums=(1,))
-    args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
-            jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
-            jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
-            jax.ShapeDtypeStruct((b, vocab), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+                                     tp=parallel), donate_argnums=(1,))
+    args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
     return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
@@ -122,6 +119,21 @@ def test_bfloat16_step_makes_no_float32_copy_of_a_weight():
                            r"tensor<[^>]*xf32>", text)
     assert len(bf16_dots) >= 7 * 32  # q, k, v, o, gate, up, down of every layer, bf16 in, f32 out
     assert summary(text)["triton"] == 32
+
+
+def test_sampler_lowers_for_cuda_at_llama3_vocabulary():
+    """The sampler, its own jitted call after the forward's, lowers for CUDA at Llama 3's 128k vocabulary with its
+    stages as conditionals (one program serves greedy, filtered, masked and biased batches)."""
+    vocab, b = ModelConfig.from_hf(LLAMA3_8B).vocab_size, 8
+    args = (jax.ShapeDtypeStruct((b, vocab), jnp.float32), jax.ShapeDtypeStruct((sampling_size(b),), jnp.int32),
+            jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((b, vocab), jnp.float32))
+    text = _sample_step.trace(*args, top_logprobs=20).lower(lowering_platforms=("cuda",)).as_text()
+    assert summary(text)["cpu_ffi"] == 0
+    assert text.count("stablehlo.case") + text.count("stablehlo.if") >= 6
+    main = text[text.index("@main"):].split("\n", 1)[0]  # its signature: the tokens and the top-20 logprobs
+    assert "tensor<8xi32> {jax.result_info = \"result['tokens']\"}" in main
+    assert "tensor<8x20xf32> {jax.result_info = \"result['top_vals']\"}" in main
 
 
 def test_same_step_interprets_when_lowered_for_cpu():

@@ -3,6 +3,11 @@
 Every dynamic dimension is bucketed (tokens T, requests B, new tokens per request S, attended length L)
 so a steady workload stops compiling after warm-up; ``compiles`` counts distinct step signatures.
 The KV pools are donated to each step and come back updated in place.
+
+A step is two jitted calls: the forward (per signature; it also takes the greedy tokens when nothing else is
+asked) and the sampler over its logits (per batch bucket alone). The sampler was ~75% of a fused step's compile
+(a step compiled in 1.6-2.0 s with it, ~0.5 s without, on a 2-core AVX2 machine); apart, it compiles once per
+batch bucket for every token count, and a plain greedy step does not call it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.kv_pool import allocate_pool
-from jsgl.engine.sampler import sample, stage_flags
-from jsgl.engine.step_inputs import StepLayout, new_packed, unpack
+from jsgl.engine.sampler import argmax, sample, stage_flags
+from jsgl.engine.step_inputs import StepLayout, new_packed, unpack_forward, unpack_sampling
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
 from jsgl.model.config import ModelConfig
@@ -118,28 +123,39 @@ def enable_compilation_cache() -> None:
     path = os.environ.get("JSGL_JAX_CACHE", str(cache_dir() / "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      float(os.environ.get("JSGL_JAX_CACHE_MIN_SECS", "0.5")))
+                      float(os.environ.get("JSGL_JAX_CACHE_MIN_SECS", "0.1")))
 
 
-def _step(params, kv, ints, floats, bitmask, logit_bias, repetition_scale, previous_tokens,
-          *, layout: StepLayout, config: ModelConfig, attention_backend: str, prompt_top_k: int,
-          top_logprobs: int, tp: TensorParallel | None = None):
-    token_ids, write_slots, meta, sample_index, target_ids, sampling = unpack(
-        ints, floats, bitmask, logit_bias, repetition_scale, previous_tokens, layout, top_logprobs)
+def _step(params, kv, ints, previous_tokens, *, layout: StepLayout, config: ModelConfig, attention_backend: str,
+          prompt_top_k: int, tp: TensorParallel | None = None):
+    """The forward: the updated pools, and {"logits" [B, V] after each request's last new token, "tokens" (their
+    argmax when the inputs' ``argmax`` flag is set, else zeros: the sampler's turn), the prompt's logprobs when
+    ``prompt_top_k >= 0``}."""
+    inputs = unpack_forward(ints, previous_tokens, layout)
     attention = get_attention_backend(attention_backend)
     if tp is not None:  # attention per shard on local heads; XLA partitions the rest from the shardings
         attention = tp.shard_attention(attention)
-    hidden, kv = forward_hidden(params, kv, token_ids, write_slots, meta, config, attention)
+    hidden, kv = forward_hidden(params, kv, inputs.token_ids, inputs.write_slots, inputs.meta, config, attention)
     if tp is not None:  # the updated pool keeps the donated pool's sharding, so it can alias it in place
         kv = tp.constrain_kv(kv)
-    tokens, logprobs, top_vals, top_ids = sample(lm_logits(params, hidden[sample_index]), sampling)
-    out = {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
+    logits = lm_logits(params, hidden[inputs.sample_index])
+    tokens = jax.lax.cond(inputs.argmax, argmax, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
+    out = {"logits": logits, "tokens": tokens}
     if prompt_top_k >= 0:
         all_logprobs = jax.nn.log_softmax(lm_logits(params, hidden), axis=-1)
-        out["prompt_logprobs"] = jnp.take_along_axis(all_logprobs, target_ids[:, None], axis=-1)[:, 0]
+        out["prompt_logprobs"] = jnp.take_along_axis(all_logprobs, inputs.target_ids[:, None], axis=-1)[:, 0]
         if prompt_top_k > 0:
             out["prompt_top_vals"], out["prompt_top_ids"] = jax.lax.top_k(all_logprobs, prompt_top_k)
     return kv, out
+
+
+@functools.partial(jax.jit, static_argnames=("top_logprobs",))
+def _sample_step(logits, sampling, bitmask, logit_bias, repetition_scale, *, top_logprobs: int):
+    """The sampler over a forward's logits: one compile per (batch bucket, vocabulary, top-logprobs width),
+    shared by every step shape and, within a process, every runner."""
+    inputs = unpack_sampling(sampling, bitmask, logit_bias, repetition_scale, top_logprobs)
+    tokens, logprobs, top_vals, top_ids = sample(logits, inputs)
+    return {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
 
 
 class ModelRunner:
@@ -199,7 +215,7 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}  # signature -> the step compiled ahead of time (precompile)
         self._step = jax.jit(
             functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
-                              tp=self.tp, top_logprobs=max_top_logprobs),
+                              tp=self.tp),
             static_argnames=("layout", "prompt_top_k"), donate_argnums=(1,),
         )
 
@@ -275,16 +291,18 @@ class ModelRunner:
             offset += m
         if after is not None:
             rows["previous_row"][:n] = np.arange(n)
-        arrays = self._sampling_rows(items, layout.num_b, rows, top_logprobs, logprobs)
+        arrays, plain = self._sampling_rows(items, layout.num_b, rows, top_logprobs, logprobs)
         previous = after.tokens if after is not None else self._neutral("previous_tokens", layout.num_b)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
         signature = (*layout[:4], prompt_k)
         self._count_signature(signature)
-        args = (self.params, self.kv, packed.ints, packed.floats, *arrays, previous)
+        args = (self.params, self.kv, packed.ints, previous)
         compiled = self._executables.get(signature)
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=prompt_k)
+        if not plain:  # queued behind the forward on the device; its tokens replace the forward's zeros
+            out = {**out, **_sample_step(out["logits"], packed.sampling, *arrays, top_logprobs=self.max_top_logprobs)}
         return PendingStep(out, layout, q_lens, logprobs, top_logprobs, prompt_top_k)
 
     def planned_signatures(self, mode: str, max_running: int, chunk_size: int) -> list[tuple]:
@@ -311,8 +329,9 @@ class ModelRunner:
         return plan + [(*shape, k) for k in prompt_ks for shape in extends]
 
     def precompile(self, signatures: list[tuple]) -> None:
-        """Compile each signature ahead of time (XLA's persistent cache makes a restart's compiles loads);
-        ``run`` then dispatches to them, and counts a signature met outside them as unplanned."""
+        """Compile each signature ahead of time (XLA's persistent cache makes a restart's compiles loads), and the
+        sampler for each of their batch buckets; ``run`` then dispatches to them, and counts a signature met
+        outside them as unplanned."""
         for signature in signatures:
             if signature not in self._executables:
                 layout = StepLayout(*signature[:4], self.page_size)
@@ -321,34 +340,41 @@ class ModelRunner:
                 self._count_signature(signature)
                 if signature[0] <= WARM_RUN_MAX_TOKENS:
                     self._run_padding(signature)
+        for num_b in sorted({signature[1] for signature in signatures}):
+            self._run_sampler(num_b)
         self._precompiled = True
 
     def _run_padding(self, signature: tuple) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
-        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Twice: greedy, then sampled
-        with token logprobs (the sampler's two common branches), the second taking the first's sampled tokens as
-        its previous tokens, as an overlapped decode step does: a fresh engine's first such dispatch took ~2.8 ms
-        against ~0.3 later (with both, `bench serve`'s first/later batch-1 decode went from 1.15 to 1.04)."""
+        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Twice: taking the argmax, then
+        not (the sampler's turn), the second taking the first's tokens as its previous tokens, as an overlapped
+        decode step does: a fresh engine's first such dispatch took ~2.8 ms against ~0.3 later (with both, `bench
+        serve`'s first/later batch-1 decode went from 1.15 to 1.04)."""
         layout = StepLayout(*signature[:4], self.page_size)
-        arrays = [self._neutral(kind, layout.num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
         previous = self._neutral("previous_tokens", layout.num_b)
         for greedy in (True, False):
             packed = new_packed(layout, self.config.vocab_size)
-            packed.views(layout)["flags"][:] = stage_flags(all_greedy=greedy, token_logprobs=not greedy,
-                                                          apply_mask=False, apply_bias=False,
-                                                          apply_repetition=False, want_top=False)
-            self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, packed.floats, *arrays,
-                                                        previous)
+            packed.views(layout)["argmax"][:] = greedy
+            self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, previous)
             jax.block_until_ready(out)
             previous = out["tokens"]
 
+    def _run_sampler(self, num_b: int) -> None:
+        """Compile and run the sampler at batch bucket ``num_b`` on neutral rows, sampling with token logprobs
+        (its branches are conditionals inside one program: any run compiles them all)."""
+        layout = StepLayout(num_b, num_b, 1, 1, 1)
+        packed = new_packed(layout, self.config.vocab_size)
+        views = packed.views(layout)
+        views["temperature"][:] = 1.0
+        views["flags"][:] = stage_flags(all_greedy=False, token_logprobs=True, apply_mask=False, apply_bias=False,
+                                        apply_repetition=False, want_top=False)
+        arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
+        logits = self._neutral("logit_bias", num_b)  # zeros [B, V]
+        jax.block_until_ready(_sample_step(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
+
     def _abstract_args(self, layout: StepLayout) -> tuple:
-        vocab, num_b = self.config.vocab_size, layout.num_b
         return (self.params, self.kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
-                jax.ShapeDtypeStruct((layout.num_floats,), jnp.float32),
-                jax.ShapeDtypeStruct((num_b, -(-vocab // 32)), jnp.uint32),
-                jax.ShapeDtypeStruct((num_b, vocab), jnp.float32), jax.ShapeDtypeStruct((num_b, vocab), jnp.float32),
-                jax.ShapeDtypeStruct((num_b,), jnp.int32))
+                jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
 
     def _count_signature(self, signature: tuple) -> None:
         if signature in self._signatures:
@@ -387,9 +413,9 @@ class ModelRunner:
         return rows, True
 
     def _sampling_rows(self, items: list[ForwardItem], num_b: int, rows: dict[str, np.ndarray], top_logprobs: int,
-                       logprobs: bool) -> tuple[Any, Any, Any]:
+                       logprobs: bool) -> tuple[tuple[Any, Any, Any], bool]:
         """Fill the packed sampling rows and stage flags; returns the (bitmask, logit_bias, repetition_scale)
-        arguments."""
+        arguments, and whether the step is plain greedy (the forward's argmax is its tokens: no sampler call)."""
         vocab = self.config.vocab_size
         temperature, top_p, top_k, min_p = rows["temperature"], rows["top_p"], rows["top_k"], rows["min_p"]
         for b, it in enumerate(items):
@@ -400,7 +426,9 @@ class ModelRunner:
         bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
         logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
         repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
-        rows["flags"][:] = stage_flags(all_greedy=not (temperature > 1e-5).any(), token_logprobs=logprobs,
-                                       apply_mask=masked, apply_bias=biased, apply_repetition=repeated,
-                                       want_top=top_logprobs > 0)
-        return bitmask, logit_bias, repetition_scale
+        all_greedy = not (temperature > 1e-5).any()
+        rows["flags"][:] = stage_flags(all_greedy=all_greedy, token_logprobs=logprobs, apply_mask=masked,
+                                       apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
+        plain = all_greedy and not (logprobs or masked or biased or repeated or top_logprobs > 0)
+        rows["argmax"][:] = plain
+        return (bitmask, logit_bias, repetition_scale), plain

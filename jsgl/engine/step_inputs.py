@@ -1,9 +1,10 @@
-"""One step's host inputs, packed: every int32 input in one array and every float32 one in another.
+"""One step's host inputs, packed: the forward's int32 inputs in one array, the sampler's in another.
 
 Each argument of a jitted call is its own host-to-device transfer (~10-30 us on CPU): at batch 1, the
 seventeen small arrays of a decode step (tokens, slots, positions, metadata, block table, sampling
-parameters, stage flags) cost ~1 ms of a ~8 ms step. Packed, they are two; the step unpacks them with
-static slices (the layout is part of the step's signature anyway).
+parameters, stage flags) cost ~1 ms of a ~8 ms step. Packed, they are two: the forward's (unpacked with
+static slices: the layout is part of the step's signature anyway) and the sampler's, whose float rows
+travel as their bits (``view``), so one array holds them all. A plain greedy step uploads only the first.
 """
 
 from __future__ import annotations
@@ -17,12 +18,16 @@ import numpy as np
 from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs
 from jsgl.kernels.attention import AttentionMetadata
 
-# Per-token int32 rows, per-request int32 rows (the block table follows them), per-request float32 rows.
-# `previous_row`: -1, or the row of the previous step's sampled tokens (still on device) that is this token: an
-# overlapped decode step is dispatched before its inputs' last tokens are read back.
+# Per-token int32 rows, per-request int32 rows (the block table follows them, then `argmax`: whether the
+# forward takes the greedy tokens itself, the sampler not being run). `previous_row`: -1, or the row of the
+# previous step's sampled tokens (still on device) that is this token: an overlapped decode step is dispatched
+# before its inputs' last tokens are read back.
 TOKEN_ROWS = ("token_ids", "previous_row", "write_slots", "positions", "target_ids")
-REQUEST_ROWS = ("q_start", "q_len", "kv_lens", "sample_index", "top_k", "seeds", "steps")
-FLOAT_ROWS = ("temperature", "top_p", "min_p")
+REQUEST_ROWS = ("q_start", "q_len", "kv_lens", "sample_index")
+# The sampler's per-request rows: int32, then float32 (as bits); the stage flags follow them.
+SAMPLING_INT_ROWS = ("top_k", "seeds", "steps")
+SAMPLING_FLOAT_ROWS = ("temperature", "top_p", "min_p")
+SAMPLING_ROWS = SAMPLING_INT_ROWS + SAMPLING_FLOAT_ROWS
 
 
 class StepLayout(NamedTuple):
@@ -41,17 +46,20 @@ class StepLayout(NamedTuple):
 
     @property
     def num_ints(self) -> int:
-        return (len(TOKEN_ROWS) * self.num_t + len(REQUEST_ROWS) * self.num_b + self.num_b * self.table_width
-                + len(FLAG_NAMES))
+        return len(TOKEN_ROWS) * self.num_t + len(REQUEST_ROWS) * self.num_b + self.num_b * self.table_width + 1
 
     @property
-    def num_floats(self) -> int:
-        return len(FLOAT_ROWS) * self.num_b
+    def num_sampling(self) -> int:
+        return sampling_size(self.num_b)
+
+
+def sampling_size(num_b: int) -> int:
+    return len(SAMPLING_ROWS) * num_b + len(FLAG_NAMES)
 
 
 class PackedStep(NamedTuple):
-    ints: np.ndarray  # [layout.num_ints] int32
-    floats: np.ndarray  # [layout.num_floats] float32
+    ints: np.ndarray  # [layout.num_ints] int32: the forward's inputs
+    sampling: np.ndarray  # [layout.num_sampling] int32: the sampler's
 
     def views(self, layout: StepLayout) -> dict[str, np.ndarray]:
         """Writable views of each named part (rows of the two buffers)."""
@@ -64,15 +72,17 @@ class PackedStep(NamedTuple):
             out[name], offset = self.ints[offset: offset + b], offset + b
         width = layout.table_width
         out["block_table"] = self.ints[offset: offset + b * width].reshape(b, width)
-        out["flags"] = self.ints[offset + b * width:]
-        for i, name in enumerate(FLOAT_ROWS):
-            out[name] = self.floats[i * b: (i + 1) * b]
+        out["argmax"] = self.ints[offset + b * width:]
+        for i, name in enumerate(SAMPLING_ROWS):
+            row = self.sampling[i * b: (i + 1) * b]
+            out[name] = row.view(np.float32) if name in SAMPLING_FLOAT_ROWS else row
+        out["flags"] = self.sampling[len(SAMPLING_ROWS) * b:]
         return out
 
 
 def new_packed(layout: StepLayout, vocab_size: int) -> PackedStep:
     """Zeroed buffers with the neutral sampling values (top_k = vocab, top_p = 1, no previous row)."""
-    packed = PackedStep(np.zeros(layout.num_ints, np.int32), np.zeros(layout.num_floats, np.float32))
+    packed = PackedStep(np.zeros(layout.num_ints, np.int32), np.zeros(layout.num_sampling, np.int32))
     views = packed.views(layout)
     views["previous_row"][:] = -1
     views["top_k"][:] = vocab_size
@@ -80,10 +90,17 @@ def new_packed(layout: StepLayout, vocab_size: int) -> PackedStep:
     return packed
 
 
-def unpack(ints: jax.Array, floats: jax.Array, bitmask: Any, logit_bias: Any, repetition_scale: Any,
-           previous_tokens: jax.Array, layout: StepLayout,
-           top_logprobs: int) -> tuple[jax.Array, jax.Array, AttentionMetadata, jax.Array, jax.Array, SamplingInputs]:
-    """Inside the jitted step: (token_ids, write_slots, meta, sample_index, target_ids, sampling)."""
+class ForwardInputs(NamedTuple):
+    token_ids: jax.Array  # [T]
+    write_slots: jax.Array  # [T]
+    meta: AttentionMetadata
+    sample_index: jax.Array  # [B]: each request's last new token
+    target_ids: jax.Array  # [T]: the next prompt token of each (prompt logprobs)
+    argmax: jax.Array  # scalar bool: the step's tokens are the greedy ones (no sampler follows)
+
+
+def unpack_forward(ints: jax.Array, previous_tokens: jax.Array, layout: StepLayout) -> ForwardInputs:
+    """Inside the jitted step: the forward's inputs."""
     t, b = layout.num_t, layout.num_b
     parts: dict[str, jax.Array] = {}
     offset = 0
@@ -93,13 +110,21 @@ def unpack(ints: jax.Array, floats: jax.Array, bitmask: Any, logit_bias: Any, re
         parts[name], offset = ints[offset: offset + b], offset + b
     width = layout.table_width
     block_table = ints[offset: offset + b * width].reshape(b, width)
-    flags = ints[offset + b * width:] != 0
-    temperature, top_p, min_p = (floats[i * b: (i + 1) * b] for i in range(len(FLOAT_ROWS)))
     meta = AttentionMetadata(parts["positions"], parts["q_start"], parts["q_len"], block_table, parts["kv_lens"],
                              layout.max_q, page_size=layout.page_size)
-    sampling = SamplingInputs(temperature, top_p, parts["top_k"], min_p,
-                              jax.lax.bitcast_convert_type(parts["seeds"], jnp.uint32), parts["steps"],
-                              bitmask, logit_bias, repetition_scale, flags, top_logprobs=top_logprobs)
     previous_row = parts["previous_row"]
     token_ids = jnp.where(previous_row >= 0, previous_tokens[jnp.clip(previous_row, 0, b - 1)], parts["token_ids"])
-    return token_ids, parts["write_slots"], meta, parts["sample_index"], parts["target_ids"], sampling
+    return ForwardInputs(token_ids, parts["write_slots"], meta, parts["sample_index"], parts["target_ids"],
+                         ints[offset + b * width] != 0)
+
+
+def unpack_sampling(sampling: jax.Array, bitmask: Any, logit_bias: Any, repetition_scale: Any,
+                    top_logprobs: int) -> SamplingInputs:
+    """Inside the jitted sampler: its ``SamplingInputs``."""
+    b = (sampling.shape[0] - len(FLAG_NAMES)) // len(SAMPLING_ROWS)
+    rows = {name: sampling[i * b: (i + 1) * b] for i, name in enumerate(SAMPLING_ROWS)}
+    as_float = lambda name: jax.lax.bitcast_convert_type(rows[name], jnp.float32)  # noqa: E731
+    return SamplingInputs(as_float("temperature"), as_float("top_p"), rows["top_k"], as_float("min_p"),
+                          jax.lax.bitcast_convert_type(rows["seeds"], jnp.uint32), rows["steps"],
+                          bitmask, logit_bias, repetition_scale, sampling[len(SAMPLING_ROWS) * b:] != 0,
+                          top_logprobs=top_logprobs)
