@@ -95,6 +95,24 @@ def test_gguf_blocks_cache_equals_the_file(tmp_path, monkeypatch):
         assert (a.m is None) == (b.m is None) and (a.m is None or np.array_equal(a.m, b.m))
 
 
+def test_the_kernels_blocks_are_never_loaded_as_float32():
+    """With the GGUF kernels, the float32 copies of the matrices they read from the file's blocks are skipped:
+    every projection of the default model (all Q4_1) and nothing else; restoring without them gives the other
+    tensors exactly as a full restore (every engine test on the default kernels runs on params so loaded)."""
+    from jsgl.model.llama import PROJECTIONS, packed_from_blocks
+    from jsgl.model.loader import load_gguf_blocks
+
+    skip = packed_from_blocks(load_gguf_blocks("smollm2-135m"))
+    projections = {name for group in PROJECTIONS for name in group}
+    assert skip == {f"layers.{i}.{name}" for i in range(30) for name in projections} | {"lm_head"}
+    _, full = load_model("smollm2-135m")
+    _, partial = load_model("smollm2-135m", skip=skip)
+    assert partial.keys() == full.keys() and np.array_equal(partial["embed"], full["embed"])
+    for got, want in zip(partial["layers"], full["layers"], strict=True):
+        assert got.keys() == want.keys() - projections
+        assert all(np.array_equal(got[name], want[name]) for name in got)
+
+
 def test_unknown_model_names():
     from jsgl.model.registry import resolve_model_path
 

@@ -43,6 +43,7 @@ from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
+from jsgl.model.llama import packed_from_blocks
 from jsgl.model.loader import load_gguf_blocks, load_placed
 from jsgl.model.sharding import TensorParallel
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
@@ -71,26 +72,6 @@ class Engine:
         started = time.perf_counter()
         enable_compilation_cache()
         self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
-        # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it, or restored
-        # onto them from the orbax checkpoint of an earlier start: the host never holds the whole model (but for a
-        # GGUF's converted weights while a new dtype or tp degree is first placed).
-        self.model_config, params = load_placed(cfg.model, self.dtype, cfg.tp, self._placer, self._sharding,
-                                                cfg.weights_cache)
-        load_s = time.perf_counter() - started
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
-        self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
-                               self.model_config.max_position_embeddings)
-        self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
-                                       kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
-                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
-                                       weight_itemsize=self.dtype.itemsize, kv_dtype=self.kv_dtype)
-        num_slots = self.memory_plan.num_slots
-        if cfg.mem_fraction is not None:
-            log.info("memory plan:\n%s", self.memory_plan.render())
-        num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
-        self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
-        self.allocator = SlotAllocator(num_slots, cfg.page_size)
         # The CPU kernels are float32: the matmul kernels take float32 weights and the attention kernel float32
         # pools and activations, so on CPU "auto" means XLA's dot under another dtype, and the native attention
         # under another dtype or KV dtype (the 8-bit format included).
@@ -107,9 +88,31 @@ class Engine:
         if (self.dtype != jnp.float32 or self.kv_dtype != jnp.float32) and attention == "cpu":
             raise ValueError(f"dtype {self.dtype}, kv_dtype {self.kv_dtype}: the CPU attention kernel is float32; "
                              "use attention_backend=native (or auto)")
+        # The matrices the kernels read from the GGUF's own blocks are not loaded as float32 at all.
+        weight_blocks = load_gguf_blocks(cfg.model) if matmul == "gguf" else None
+        # Each tensor is cast and put on its device (or its shards on theirs) as the loader reads it, or restored
+        # onto them from the orbax checkpoint of an earlier start: the host never holds the whole model (but for a
+        # GGUF's converted weights while a new dtype or tp degree is first placed).
+        self.model_config, params = load_placed(cfg.model, self.dtype, cfg.tp, self._placer, self._sharding,
+                                                cfg.weights_cache, skip=packed_from_blocks(weight_blocks))
+        load_s = time.perf_counter() - started
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
+        self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
+                               self.model_config.max_position_embeddings)
+        self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
+                                       kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
+                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
+                                       weight_itemsize=self.dtype.itemsize, kv_dtype=self.kv_dtype)
+        num_slots = self.memory_plan.num_slots
+        if cfg.mem_fraction is not None:
+            log.info("memory plan:\n%s", self.memory_plan.render())
+        num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
+        self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
+        self.allocator = SlotAllocator(num_slots, cfg.page_size)
         self.runner = ModelRunner(self.model_config, params, num_slots, params_placed=True,
                                   attention_backend=attention, matmul_backend=matmul, kv_dtype=self.kv_dtype,
-                                  weight_blocks=load_gguf_blocks(cfg.model) if matmul == "gguf" else None,
+                                  weight_blocks=weight_blocks,
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size)
         del params

@@ -97,26 +97,45 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     return params
 
 
+def _from_blocks(group_blocks: list[Any]) -> bool:
+    return all(b is not None for b in group_blocks) and len({b.kind for b in group_blocks}) == 1
+
+
 def with_packed_weights(params: Params, blocks: tuple[list[dict], Any] | None = None) -> Params:
     """The same params with each layer's PROJECTIONS packed (and fused) for the CPU kernels, and the LM head
     packed (for a tied model, a packed copy of the embedding's transpose; the embedding stays for lookup).
 
     ``blocks`` (from :func:`jsgl.model.loader.load_gguf_blocks`): where a group's matrices all come in GGUF
-    blocks of one kind, it is packed from them (QuantWeight, the same values) instead of float32."""
+    blocks of one kind, it is packed from them (QuantWeight, the same values) instead of float32; those
+    matrices (:func:`packed_from_blocks`) need not be in ``params``."""
     layer_blocks, head_blocks = blocks or ([{}] * len(params["layers"]), None)
     layers = []
     for layer, quant in zip(params["layers"], layer_blocks):
         packed = {key: w for key, w in layer.items() if not any(key in group for group in PROJECTIONS)}
         for group in PROJECTIONS:
             group_blocks = [quant.get(name) for name in group]
-            if all(b is not None for b in group_blocks) and len({b.kind for b in group_blocks}) == 1:
+            if _from_blocks(group_blocks):
                 packed["+".join(group)] = pack_quant(group_blocks)
             else:
                 packed["+".join(group)] = pack_weight([layer[name] for name in group])
         layers.append(packed)
-    head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    lm_head = pack_quant([head_blocks]) if head_blocks is not None else pack_weight([head])
+    if head_blocks is not None:
+        lm_head = pack_quant([head_blocks])
+    else:
+        lm_head = pack_weight([params["lm_head"] if "lm_head" in params else params["embed"].T])
     return {**params, "layers": layers, "lm_head": lm_head}
+
+
+def packed_from_blocks(blocks: tuple[list[dict], Any] | None) -> frozenset[str]:
+    """Flat names ("layers.3.wq", "lm_head") of the float32 matrices ``with_packed_weights(params, blocks)``
+    never reads: the loader skips them (restoring the default model's 540 MB of float32 weights took ~1.5 s of
+    an engine's start, 80% of them matrices the kernels read from the GGUF's blocks)."""
+    if blocks is None:
+        return frozenset()
+    layer_blocks, head_blocks = blocks
+    names = {f"layers.{i}.{name}" for i, quant in enumerate(layer_blocks) for group in PROJECTIONS
+             if _from_blocks([quant.get(name) for name in group]) for name in group}
+    return frozenset(names | ({"lm_head"} if head_blocks is not None else set()))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -71,16 +71,22 @@ Put = Callable[[str, np.ndarray], Any]  # (key: "embed", "layers.3.wq", ...; the
 
 
 def load_model(model: str | os.PathLike, dtype: Any = None,
-               placer: Callable[[ModelConfig], Put] | None = None) -> tuple[ModelConfig, Params]:
+               placer: Callable[[ModelConfig], Put] | None = None,
+               skip: Collection[str] = ()) -> tuple[ModelConfig, Params]:
     """Config and params of a model alias, .gguf file (float32, dequantized) or HF folder (its bfloat16 or
     float16 kept, anything else float32), as numpy arrays.
 
     ``dtype``: every tensor cast to it as it is read. ``placer(config)``: a function called on each tensor as
     soon as it is read and converted, whose result the params hold instead (the engine puts each on its device,
     or its shards on theirs): tensor by tensor, the host then holds about one tensor at a time, never the model
-    (an HF folder; a GGUF is held whole while converted, or read back from its converted weights)."""
+    (an HF folder; a GGUF is held whole while converted, or read back from its converted weights).
+
+    ``skip``: flat names ("lm_head", "layers.3.wq") left out of the params: for a GGUF, the matrices the CPU
+    kernels take from the file's own blocks (``load_gguf_blocks``), whose float32 copies nobody would read."""
     path = resolve_model_path(model)
     if path.is_dir():
+        if skip:
+            raise ValueError("skip: only a GGUF model's tensors can be left out (an HF folder has no blocks)")
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
         return config, _load_hf(path, config, _putter(config, dtype, placer))
     cache = model_cache_dir(path)
@@ -88,12 +94,12 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
         (cache / stale).unlink(missing_ok=True)
     converted = _converted_path(path)
     if checkpoint.exists(converted):
-        hf_config, params = checkpoint.restore(converted)
+        hf_config, params = checkpoint.restore(converted, skip=skip)
     else:
         hf_config, params = _load_gguf(path)
         checkpoint.save(converted, params, hf_config)
     config = ModelConfig.from_hf(hf_config)
-    flat = _flatten(params)
+    flat = {name: x for name, x in _flatten(params).items() if name not in skip}
     del params
     put = _putter(config, dtype, placer)
     return config, _unflatten({name: put(name, flat.pop(name)) for name in list(flat)})
@@ -113,28 +119,30 @@ def placed_checkpoint_path(model: str | os.PathLike, dtype: Any, tp: int) -> Pat
 
 def load_placed(model: str | os.PathLike, dtype: Any, tp: int, placer: Callable[[ModelConfig], Put],
                 sharding: Callable[[ModelConfig], checkpoint.ShardingOf],
-                cache: str = "auto") -> tuple[ModelConfig, Params]:
+                cache: str = "auto", skip: Collection[str] = ()) -> tuple[ModelConfig, Params]:
     """``load_model``'s params as the engine holds them (``placer``), through an orbax checkpoint of them per
     (model, dtype, tp): restored onto ``sharding(config)`` when it exists, saved after loading when not.
 
     ``cache``: "orbax" for any model; "auto" for GGUF models only (an HF folder's safetensors are already a
     checkpoint, read tensor by tensor: a second copy of an 8B model would cost 16 GB of disk); "off": none
-    (a GGUF's converted weights, its float32 tp=1 checkpoint, are still kept: converting is the slow part)."""
+    (a GGUF's converted weights, its float32 tp=1 checkpoint, are still kept: converting is the slow part).
+    ``skip``: as ``load_model``'s; params without them are never saved as a checkpoint."""
     if cache not in WEIGHTS_CACHES:
         raise ValueError(f"weights cache must be one of {', '.join(WEIGHTS_CACHES)}, not {cache!r}")
     path = resolve_model_path(model)
     if cache == "off" or (cache == "auto" and path.is_dir()):
-        return load_model(model, dtype, placer)
+        return load_model(model, dtype, placer, skip)
     saved = placed_checkpoint_path(path, dtype, tp)
     if checkpoint.exists(saved):
         config = ModelConfig.from_hf(json.loads((saved / "config.json").read_text()))  # refuses what jsgl can't run
         try:
-            return config, checkpoint.restore(saved, sharding(config))[1]
+            return config, checkpoint.restore(saved, sharding(config), skip)[1]
         except Exception:  # a damaged checkpoint: load from the model and save it again
             log.warning("could not restore %s; loading %s instead", saved, path, exc_info=True)
             shutil.rmtree(saved, ignore_errors=True)
-    config, params = load_model(model, dtype, placer)
-    if not checkpoint.exists(saved):  # (a GGUF's float32 tp=1 params are its converted weights: saved already)
+    config, params = load_model(model, dtype, placer, skip)
+    # (A GGUF's float32 tp=1 params are its converted weights: saved already.)
+    if not checkpoint.exists(saved) and not skip:
         config_file = path / "config.json" if path.is_dir() else _converted_path(path) / "config.json"
         checkpoint.save(saved, params, json.loads(config_file.read_text()))
     return config, params
