@@ -31,7 +31,7 @@ def xla_compiles():
     try:
         yield names
     finally:
-        jax._src.monitoring.unregister_event_duration_listener(listener)
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")

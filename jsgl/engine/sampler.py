@@ -154,23 +154,10 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
     Returns (tokens [B], logprob of each token under the model's raw distribution [B] (zeros unless
     ``s.token_logprobs``), and the top-k (logprobs, ids) [B, K] of that distribution).
 
-    A batch that is all greedy, with no mask, penalty or logprobs (plain decoding) takes one branch: the
-    argmax. Each stage of the other branch sits under its own flag (a branch costs ~0.04 ms on XLA CPU, so
-    the plain path stays at one).
+    Each stage sits under its own flag (a branch costs ~0.04 ms on XLA CPU). A plain greedy batch (no mask,
+    penalty or logprobs) never gets here: the forward takes its argmax (``model_runner._step``).
     """
     logits = logits.astype(jnp.float32)
-    batch, k = logits.shape[0], s.top_logprobs
-    adjusting = s.apply_repetition | s.apply_bias | s.apply_mask
-    plain = s.all_greedy & ~adjusting & ~s.token_logprobs & ~(s.want_top if k else False)
-
-    def plain_path(raw: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        return (argmax(raw), jnp.zeros(batch, jnp.float32), jnp.zeros((batch, k), jnp.float32),
-                jnp.zeros((batch, k), jnp.int32))
-
-    return jax.lax.cond(plain, plain_path, functools.partial(_full_sample, s=s), logits)
-
-
-def _full_sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     raw = logits  # the model's distribution, before bias and masks
     batch = logits.shape[0]
     adjusting = s.apply_repetition | s.apply_bias | s.apply_mask
