@@ -10,11 +10,12 @@ In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). 
 - startup s: constructing a fresh `Engine(**kwargs)` (kv_cache_gb=0.5): model load, weight packing, KV
   pool allocation, and compiling the step shapes `--precompile` plans (default common, as `jsgl serve`; a
   restart loads them from XLA's persistent cache); the number of shapes.
-- workloads (on `--fresh-engines` fresh engines of their own, default 3): decode at batch 1 and 16, MMLU 5-shot
-  (4 subjects x 16), JSON by regex (16 requests), each run 1 + `--later-runs` (3) times with the cache flushed
-  between: wall seconds of the first run and the median of the later ones, their ratio (medians over the
-  engines), and the step shapes compiled. The first JSON run also loads (or builds) the
-  regex's token index.
+- workloads (on `--fresh-engines` fresh engines, default 3, each in a fresh process as a restarted server is: a
+  process's first engine meets jit's dispatch caches and the regex index's memory cache empty): decode at batch
+  1 and 16, MMLU 5-shot (4 subjects x 16), JSON by regex (16 requests), each run 1 + `--later-runs` (3) times
+  with the cache flushed between: wall seconds of the first run and the median of the later ones, their ratio
+  (medians over the engines), and XLA compiles. The first JSON run also loads (or builds) the regex's token
+  index.
 - The workload: `--num-requests` requests submitted at Poisson arrival times (`--rate` req/s, `--seed`),
   each kind at least once, then half chat turns and a quarter each of the others: a chat turn (ShareGPT
   first turns, else built-in prompts; chat template applied) with 32-64 output tokens (ignore_eos,
@@ -28,18 +29,22 @@ In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). 
 - TTFT: from a request's submission to its first streamed chunk (text held back while it may still become
   a stop string arrives later). TPOT: (finish - first chunk) / (completion tokens - 1), for requests with
   at least 2 tokens. p50/p99 over the run's requests.
-- compiles: step shapes compiled during the run (`engine.stats()["compiles"]` after minus before).
+- compiles: XLA compiles during the run, of any jitted function (step shapes, the sampler, small host-side
+  jits), loads from the persistent cache included: JAX's monitoring events. Each is a stall: a step shape's
+  lowering alone takes ~0.1-0.5 s here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +64,37 @@ BUILTIN_PROMPTS = [
 ]
 MMLU_SUBJECT = "high_school_geography"
 MAX_PROMPT_CHARS = 2000  # long ShareGPT turns are cut here: the workload is about serving, not long prefills
+
+
+class XlaCompiles:
+    """The jitted functions XLA compiles (or loads from the persistent cache) in this process from construction
+    until ``close()``, from JAX's monitoring events; ``since(mark)`` names those after a ``len()`` mark."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.names: list[str] = []
+        self._monitoring = jax.monitoring
+        self._monitoring.register_event_duration_secs_listener(self._listener)
+
+    def _listener(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event.endswith("backend_compile_duration"):
+            self.names.append(kwargs.get("fun_name", "?"))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def since(self, mark: int) -> list[str]:
+        return self.names[mark:]
+
+    def close(self) -> None:
+        self._monitoring.unregister_event_duration_listener(self._listener)
+
+    def __enter__(self) -> XlaCompiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
@@ -107,10 +143,11 @@ def build_workload(tokenizer: Any, n: int, seed: int) -> tuple[list[tuple[str, s
     return work, notes
 
 
-def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[float]) -> dict[str, Any]:
+def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[float],
+                 compiles: XlaCompiles) -> dict[str, Any]:
     """Submit each request at its arrival time (s from start), stream it, and summarize the run."""
     timings = [Timing() for _ in work]
-    before = engine.stats()["compiles"]
+    before = len(compiles)
 
     def listener(t: Timing) -> Any:
         def on_chunk(chunk: Any) -> None:  # on the engine thread: only timestamps
@@ -143,14 +180,14 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
 
     return {"wall_s": wall, "req_per_s": len(work) / wall, "output_tokens": tokens, "out_tok_per_s": tokens / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_s": pct(tpot, 50),
-            "tpot_p99_s": pct(tpot, 99), "compiles": engine.stats()["compiles"] - before}
+            "tpot_p99_s": pct(tpot, 99), "compiles": len(compiles.since(before)), "compiled": compiles.since(before)}
 
 
-def bench_workloads(engine: Any, quick: bool, later_runs: int = 3) -> dict[str, dict]:
+def bench_workloads(engine: Any, quick: bool, later_runs: int, compiles: XlaCompiles) -> dict[str, dict]:
     """The other benchmarks' workloads, each run 1 + ``later_runs`` times on this engine (flushing the cache
     between): the first run is what a user meets on a fresh server, the later ones' median what it settles to.
     Decode at batch 1 and 16 (bench_decode's prompts), MMLU 5-shot (bench_radix), JSON by regex (bench_json);
-    wall seconds and step shapes compiled per run."""
+    wall seconds and XLA compiles per run."""
     from jsgl.experiments.bench_decode import PROMPTS
     from jsgl.experiments.datasets import mmlu_five_shot
 
@@ -172,19 +209,33 @@ def bench_workloads(engine: Any, quick: bool, later_runs: int = 3) -> dict[str, 
         runs = []
         for _ in range(1 + later_runs):
             engine.flush_cache()
-            before = engine.stats()["compiles"]
+            before = len(compiles)
             t0 = time.perf_counter()
             engine.generate(prompts, params, progress=False)
-            runs.append({"wall_s": time.perf_counter() - t0, "compiles": engine.stats()["compiles"] - before})
+            runs.append({"wall_s": time.perf_counter() - t0, "compiles": len(compiles.since(before)),
+                         "compiled": compiles.since(before)})
         later = statistics.median(r["wall_s"] for r in runs[1:])
         results[name] = {"requests": len(prompts), "first": runs[0], "later": runs[1:],
                          "first_over_later": runs[0]["wall_s"] / later}
     return results
 
 
+def fresh_engine_workloads(kwargs: dict[str, Any], quick: bool, later_runs: int) -> dict[str, dict]:
+    """``bench_workloads`` on a new engine in this process (run in a spawned child: a fresh process)."""
+    from jsgl.engine.engine import Engine
+
+    compiles = XlaCompiles()
+    engine = Engine(**kwargs)
+    try:
+        return bench_workloads(engine, quick, later_runs, compiles)
+    finally:
+        engine.shutdown()
+        compiles.close()
+
+
 def combine_engines(per_engine: list[dict[str, dict]]) -> dict[str, dict]:
     """Each workload over the fresh engines: medians of the first run, of the later runs' medians and of the
-    per-engine ratios, and the most step shapes any first or later run compiled."""
+    per-engine ratios, the most XLA compiles any first or later run met, and the functions compiled."""
     out = {}
     for name in per_engine[0]:
         ws = [e[name] for e in per_engine]
@@ -194,7 +245,8 @@ def combine_engines(per_engine: list[dict[str, dict]]) -> dict[str, dict]:
                      "first_over_later": statistics.median(w["first_over_later"] for w in ws),
                      "ratios": [w["first_over_later"] for w in ws],
                      "first_compiles": max(w["first"]["compiles"] for w in ws),
-                     "later_compiles": max(r["compiles"] for w in ws for r in w["later"])}
+                     "later_compiles": max(r["compiles"] for w in ws for r in w["later"]),
+                     "compiled": sorted({n for w in ws for r in [w["first"], *w["later"]] for n in r["compiled"]})}
     return out
 
 
@@ -203,20 +255,26 @@ def print_table(startup: dict, precompile: str, runs: dict[str, dict], workloads
           f"{startup['signatures']} step shapes)")
     if workloads:
         engines = next(iter(workloads.values()))["engines"]
-        print(f"workloads on {engines} fresh engine(s): medians of the first run, of the later runs, and of the "
-              "per-engine ratios (each ratio in brackets); step shapes compiled in any first | later run")
+        print(f"workloads on {engines} fresh engine(s), each in a fresh process: medians of the first run, of the "
+              "later runs, and of the per-engine ratios (each ratio in brackets); XLA compiles in any first | later "
+              "run")
         print(f"{'workload':<12} {'requests':>8} {'first s':>8} {'later s':>8} {'first/later':>11} "
               f"{'compiles':>9}")
         for name, w in workloads.items():
             ratios = ", ".join(f"{r:.2f}" for r in w["ratios"])
             print(f"{name:<12} {w['requests']:>8} {w['first_s']:8.2f} {w['later_s']:8.2f} "
                   f"{w['first_over_later']:11.2f} [{ratios}] {w['first_compiles']:>4} {w['later_compiles']:>4}")
+            if w["compiled"]:
+                print(f"{'':<12} compiled: {', '.join(w['compiled'])}")
     print(f"{'run':<6} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
           f"{'TPOT p50':>9} {'TPOT p99':>9} {'compiles':>8}")
     for name, r in runs.items():
         print(f"{name:<6} {r['wall_s']:7.2f} {r['req_per_s']:6.2f} {r['out_tok_per_s']:9.1f} "
               f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:7.0f}ms {r['tpot_p50_s'] * 1e3:7.1f}ms "
               f"{r['tpot_p99_s'] * 1e3:7.1f}ms {r['compiles']:>8}")
+    for name, r in runs.items():
+        if r["compiled"]:
+            print(f"{name} run compiled: {', '.join(sorted(set(r['compiled'])))}")
     print(f"cold/warm wall ratio: {runs['cold']['wall_s'] / runs['warm']['wall_s']:.2f}")
 
 
@@ -249,16 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         kwargs["model"] = args.model
     workloads: dict[str, dict] = {}
-    if not args.skip_workloads:  # fresh engines of their own: their first runs meet nothing warmed up
+    if not args.skip_workloads:  # each engine in a fresh process of its own: its first runs meet nothing warmed up
         # One first run is one sample of this machine's ±15% run-to-run noise: several engines, and the median.
         per_engine = []
         for _ in range(args.fresh_engines or (1 if args.quick else 3)):
-            engine = Engine(**kwargs)
-            try:
-                per_engine.append(bench_workloads(engine, args.quick, args.later_runs or (1 if args.quick else 3)))
-            finally:
-                engine.shutdown()
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+                per_engine.append(child.submit(fresh_engine_workloads, kwargs, args.quick,
+                                               args.later_runs or (1 if args.quick else 3)).result())
         workloads = combine_engines(per_engine)
+    compiles = XlaCompiles()
     engine = Engine(**kwargs)
     stats = engine.stats()
     startup = {"total_s": stats["startup_s"], "precompile_s": stats["precompile_s"], "signatures": stats["compiles"]}
@@ -271,13 +328,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(notes))
         print(f"workload: {n} requests ({', '.join(f'{v} {k}' for k, v in counts.items())}), Poisson arrivals "
               f"at {rate:g} req/s over {arrivals[-1]:.1f} s, seed {args.seed}", flush=True)
-        runs = {"cold": run_workload(engine, work, arrivals)}
+        runs = {"cold": run_workload(engine, work, arrivals, compiles)}
         print(f"  cold: {runs['cold']['wall_s']:.1f} s", flush=True)
         if not engine.flush_cache():
             print("warning: flush_cache refused (requests still queued)", file=sys.stderr)
-        runs["warm"] = run_workload(engine, work, arrivals)
+        runs["warm"] = run_workload(engine, work, arrivals, compiles)
     finally:
         engine.shutdown()
+        compiles.close()
     print_table(startup, args.precompile, runs, workloads)
     if args.json:
         with open(args.json, "w") as f:
