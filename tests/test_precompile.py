@@ -110,3 +110,19 @@ def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompile
     np.testing.assert_allclose(got.input_logprobs[1:], ref.input_logprobs[1:], atol=1e-4)
     assert [[t for _, t in top] for top in got.output_top_logprobs] == \
         [[t for _, t in top] for top in ref.output_top_logprobs]
+
+
+def test_padded_attention_precompiles_the_sampler_for_the_extends_it_leaves_to_first_use():
+    """With padded attention (native) only decodes are planned; a first extend (batch bucket 8) compiles its
+    step shape as it comes, but the sampler for that bucket was compiled at start, on logits placed as a step
+    places them."""
+    jax.clear_caches()
+    engine = Engine(precompile="common", attention_backend="native", max_running_requests=2, chunked_prefill_size=64,
+                    context_length=128, kv_cache_gb=0.1)
+    try:
+        assert not engine.runner.ragged
+        with XlaCompiles() as compiled:
+            engine.generate(["Story:", "Hello"], {"max_new_tokens": 4, "temperature": 0.8}, progress=False)
+    finally:
+        engine.shutdown()
+    assert "jit(_step)" in compiled.names and "jit(_sample_step)" not in compiled.names, compiled.names

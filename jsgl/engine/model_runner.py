@@ -340,12 +340,17 @@ class ModelRunner:
                 self._count_signature(signature)
                 if signature[0] <= WARM_RUN_MAX_TOKENS:
                     self._run_padding(signature)
-        for num_b in sorted({signature[1] for signature in signatures}):
-            # The logits' placement is part of jit's dispatch key: run the sampler on an array placed as a step's
-            # output is (committed), or serving re-lowers it (~80 ms a batch bucket, a persistent-cache hit).
-            outputs = next(self._executables[s].out_info[1] for s in signatures if s[1] == num_b)
-            self._run_sampler(num_b, outputs["logits"])
         self._precompiled = True
+        if not signatures:
+            return
+        # The logits' placement is part of jit's dispatch key: the sampler runs on zeros placed as every step's
+        # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it
+        # (~80 ms a batch bucket here, a persistent-cache hit). Its batch buckets: the plan's, and those of the
+        # extends a padded-attention plan leaves to compile on first use (8 requests and up).
+        logits = self._executables[signatures[0]].out_info[1]["logits"]  # shape [B, V], dtype and placement
+        decode_buckets = {signature[1] for signature in signatures if signature[2] == 1}
+        for num_b in sorted({signature[1] for signature in signatures} | {bucket(b, 8) for b in decode_buckets}):
+            self._run_sampler(num_b, logits)
 
     def _run_padding(self, signature: tuple) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
@@ -373,7 +378,7 @@ class ModelRunner:
         views["flags"][:] = stage_flags(all_greedy=False, token_logprobs=True, apply_mask=False, apply_bias=False,
                                         apply_repetition=False, want_top=False)
         arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
-        logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        logits = jax.device_put(np.zeros((num_b, logits.shape[1]), logits.dtype), logits.sharding)
         jax.block_until_ready(_sample_step(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
 
     def _abstract_args(self, layout: StepLayout) -> tuple:
