@@ -345,11 +345,11 @@ class ModelRunner:
             return
         # The logits' placement is part of jit's dispatch key: the sampler runs on zeros placed as every step's
         # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it
-        # (~80 ms a batch bucket here, a persistent-cache hit). Its batch buckets: the plan's, and those of the
-        # extends a padded-attention plan leaves to compile on first use (8 requests and up).
+        # (~80 ms a batch bucket here, a persistent-cache hit). Its batch buckets: a decode's and an extend's of
+        # every request count the plan decodes, extends included that a padded-attention plan leaves to first use.
         logits = self._executables[signatures[0]].out_info[1]["logits"]  # shape [B, V], dtype and placement
-        decode_buckets = {signature[1] for signature in signatures if signature[2] == 1}
-        for num_b in sorted({signature[1] for signature in signatures} | {bucket(b, 8) for b in decode_buckets}):
+        counts = {signature[1] for signature in signatures if signature[2] == 1}
+        for num_b in sorted({self.step_shape(n, n, 1, 1, decode)[1] for n in counts for decode in (True, False)}):
             self._run_sampler(num_b, logits)
 
     def _run_padding(self, signature: tuple) -> None:
@@ -367,7 +367,7 @@ class ModelRunner:
             jax.block_until_ready(out)
             previous = out["tokens"]
 
-    def _run_sampler(self, num_b: int, logits: jax.ShapeDtypeStruct) -> None:
+    def _run_sampler(self, num_b: int, like: jax.ShapeDtypeStruct) -> None:
         """Compile and run the sampler at batch bucket ``num_b`` on neutral rows and zero logits placed as a step
         places them, sampling with token logprobs (its branches are conditionals inside one program: any run
         compiles them all)."""
@@ -378,7 +378,7 @@ class ModelRunner:
         views["flags"][:] = stage_flags(all_greedy=False, token_logprobs=True, apply_mask=False, apply_bias=False,
                                         apply_repetition=False, want_top=False)
         arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
-        logits = jax.device_put(np.zeros((num_b, logits.shape[1]), logits.dtype), logits.sharding)
+        logits = jax.device_put(np.zeros((num_b, like.shape[1]), like.dtype), like.sharding)
         jax.block_until_ready(_sample_step(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
 
     def _abstract_args(self, layout: StepLayout) -> tuple:
