@@ -16,7 +16,8 @@ through ``pallas_paged_attention`` and ``native_paged_attention`` (both jitted),
 of each against a float32 reference on the same (upcast) inputs, the median time over ``--iters`` runs
 after ``--warmup`` runs (``block_until_ready``), and for decode the K/V bytes read divided by the time as
 a fraction of ``--peak-bw`` (default 4.8e12 B/s, H200 HBM3e). For extend it also prints TFLOP/s. The exit
-status is 1 when any error is over tolerance. Then whole engine steps of a Llama-3-8B-shaped model (decode at
+status is 1 when any error is over tolerance. Then the engine end to end on tiny checkpoints of each family
+against transformers (``bench_device_engine.py``), and whole engine steps of a Llama-3-8B-shaped model (decode at
 ``--decode-batches``, a prefill, compile seconds; ``bench_device_steps.py``) against the HBM and FLOP peaks.
 """
 
@@ -71,6 +72,8 @@ def parse_args(argv=None):
     steps.add_argument("--step-kv-dtypes", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"])
     steps.add_argument("--peak-flops", type=float, default=989e12, help="dense bfloat16 peak, FLOP/s (H200)")
     steps.add_argument("--skip-steps", action="store_true")
+    p.add_argument("--skip-engine", action="store_true",
+                   help="skip the engine end to end on tiny checkpoints vs transformers (bench_device_engine.py)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim = 3, 40, 4, [2], 16
@@ -206,7 +209,11 @@ def main(argv=None) -> int:
         return 2
     else:
         interpret = False
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} (interpret={interpret})", flush=True)
+    device = jax.devices()[0]
+    memory = (device.memory_stats() or {}) if hasattr(device, "memory_stats") else {}
+    limit = f", allocator limit {memory['bytes_limit'] / 2**30:.1f} GiB" if "bytes_limit" in memory else ""
+    print(f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind}{limit} (interpret={interpret})",
+          flush=True)
     ok = True
     for kv_heads in args.kv_heads:
         for dtype_name in args.dtypes:
@@ -217,6 +224,15 @@ def main(argv=None) -> int:
                 runs.append(("extend", args.extend_batch))
             for kind, batch in runs:
                 ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
+    if not args.skip_engine:
+        from jsgl.experiments.bench_device_engine import run_engine_checks
+
+        print("\nthe engine end to end (Pallas attention) on tiny random checkpoints vs transformers (float32, CPU):",
+              flush=True)
+        smoke = dict(page_sizes=(16,), dtypes=("float32",), family_names=("qwen3",)) if args.cpu_smoke else {}
+        for result in run_engine_checks(**smoke):
+            print(result.row(), flush=True)
+            ok &= result.ok
     if not args.skip_steps:
         from jsgl.experiments.bench_device_steps import run_steps
 

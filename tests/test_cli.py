@@ -213,7 +213,7 @@ def test_bench_grammar(results):
 
 def test_bench_device(results):
     out, _ = finished(results, "bench device")
-    assert out.rstrip().endswith("all ok")
+    assert out.rstrip().endswith("all ok") and "tokens transformers' argmax" in out, out
 
 
 def test_bench_serve(results):

@@ -21,6 +21,7 @@ import pytest
 
 from jsgl.engine.model_runner import _sample_step, _step
 from jsgl.engine.step_inputs import StepLayout, sampling_size
+from jsgl.kernels.lowering import lower_for
 from jsgl.model.config import LLAMA3_8B, ModelConfig
 from jsgl.model.llama import param_shapes
 
@@ -52,7 +53,7 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float
     step = jax.jit(functools.partial(_step, layout=layout, config=forward, attention_backend="pallas", prompt_top_k=-1,
                                      tp=parallel), donate_argnums=(1,))
     args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
-    return step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_for(step, *args, platform=platform, mesh=parallel.mesh if parallel else None).as_text()
 
 
 def summary(text: str) -> dict:
@@ -128,7 +129,7 @@ def test_sampler_lowers_for_cuda_at_llama3_vocabulary():
     args = (jax.ShapeDtypeStruct((b, vocab), jnp.float32), jax.ShapeDtypeStruct((sampling_size(b),), jnp.int32),
             jax.ShapeDtypeStruct((b, -(-vocab // 32)), jnp.uint32), jax.ShapeDtypeStruct((b, vocab), jnp.float32),
             jax.ShapeDtypeStruct((b, vocab), jnp.float32))
-    text = _sample_step.trace(*args, top_logprobs=20).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for(_sample_step, *args, top_logprobs=20, platform="cuda").as_text()
     assert summary(text)["cpu_ffi"] == 0
     assert text.count("stablehlo.case") + text.count("stablehlo.if") >= 6
     main = text[text.index("@main"):].split("\n", 1)[0]  # its signature: the tokens and the top-20 logprobs

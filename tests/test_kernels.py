@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
+from jsgl.kernels.lowering import lower_for
 from jsgl.kernels.pallas_attention import (
     paged_decode_attention,
     paged_extend_attention,
@@ -249,7 +250,7 @@ def _triton_modules(fn, *args):
     from jax._src.lib.mlir import ir
     from jax._src.pallas.triton import lowering as tl  # private, but jax is pinned: breakage must fail
 
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    hlo = lower_for(jax.jit(fn), *args, platform="cuda").compiler_ir("stablehlo")
     calls = []
 
     def walk(op):

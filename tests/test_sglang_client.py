@@ -2,10 +2,11 @@
 jsgl server: gen with stop / regex / json_schema / min_tokens / stop_regex, select, fork with both join
 modes, run_batch, and streaming with per-chunk meta data (SGLang's own invariants).
 
-The client is installed once into the jsgl cache (`<cache>/sglang-client-0.5.23`, JSGL_CACHE_DIR moves it)
-with `pip install --no-deps --target`: sglang itself plus what `import sglang` needs beside the torch and
-transformers this environment has (triton, 285 MB, is imported unconditionally by sglang.srt.utils).
-Measured on the 2-core machine: 44-47 s to install (download included), 1.3 GB on disk; `import sglang` ~12 s.
+The client is installed once into the jsgl cache (`<cache>/sglang-client-0.5.23-<hash of the package list>`,
+JSGL_CACHE_DIR moves it) with `pip install --no-deps --target`: sglang itself plus what `import sglang` needs
+beside the torch and transformers this environment has (triton, 285 MB, is imported unconditionally by
+sglang.srt.utils). Measured on the 2-core machine: 21 s to install (download included), 1.3 GB on disk;
+`import sglang` ~12 s.
 It runs in a subprocess (tests/sglang_client_programs.py) so sglang never loads into this process. The
 server is this process's engine behind a ServerThread, so every greedy answer the client got is checked
 against the same engine called directly.
@@ -13,6 +14,7 @@ against the same engine called directly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,9 +32,13 @@ import pytest
 from jsgl.paths import cache_dir
 
 SGLANG_VERSION = "0.5.23"
-# What `import sglang` needs beyond this environment's packages (no deps: torch etc. stay the installed ones).
+# What `import sglang` and its frontend need beyond jsgl's own dependencies (no deps: torch etc. stay the
+# installed ones). Found by importing it in a fresh venv holding only `pip install -e ".[test,bench]"`.
 CLIENT_PACKAGES = [f"sglang=={SGLANG_VERSION}", "pybase64", "triton", "msgspec", "pyzmq", "aiohttp", "multidict",
-                   "yarl", "propcache", "aiohappyeyeballs", "aiosignal", "frozenlist"]
+                   "yarl", "propcache", "aiohappyeyeballs", "aiosignal", "frozenlist", "orjson", "ipython",
+                   "traitlets"]
+# What the programs import (tests/sglang_client_programs.py); checked right after the install.
+CLIENT_IMPORTS = "import sglang, sglang.lang.interpreter, sglang.lang.backend.runtime_endpoint"
 SCRIPT = Path(__file__).with_name("sglang_client_programs.py")
 
 
@@ -47,7 +53,9 @@ def _pypi_reachable() -> bool:
 def _install_client() -> Path:
     """The sglang client's --target dir, installed on first use (into a temp dir renamed into place, so an
     interrupted install is never mistaken for a finished one)."""
-    target = cache_dir() / f"sglang-client-{SGLANG_VERSION}"
+    # The package list is part of the name: an install made from an older list is never reused.
+    digest = hashlib.sha256(" ".join(CLIENT_PACKAGES).encode()).hexdigest()[:8]
+    target = cache_dir() / f"sglang-client-{SGLANG_VERSION}-{digest}"
     if (target / ".complete").exists():
         return target
     if not _pypi_reachable():
@@ -61,10 +69,28 @@ def _install_client() -> Path:
         if not _pypi_reachable():
             pytest.skip("PyPI became unreachable while installing the sglang client")
         pytest.fail(f"pip could not install the sglang client:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    missing = _missing_module(staging)
+    if missing:
+        shutil.rmtree(staging, ignore_errors=True)
+        pytest.fail(f"the sglang client cannot be imported: module {missing!r} is missing; add its package to "
+                    "CLIENT_PACKAGES in tests/test_sglang_client.py")
     (staging / ".complete").write_text(f"installed in {time.monotonic() - start:.1f} s\n")
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
+
+
+def _missing_module(site: Path) -> str | None:
+    """The module `import sglang` fails on with `site` on the path (as the programs run), or None."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-c", CLIENT_IMPORTS], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tempfile.gettempdir())
+    if proc.returncode == 0:
+        return None
+    found = re.search(r"No module named '([^']+)'", proc.stderr)
+    if found:
+        return found.group(1)
+    pytest.fail(f"the sglang client cannot be imported:\n{proc.stderr[-3000:]}")
 
 
 @pytest.fixture(scope="module")

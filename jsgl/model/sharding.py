@@ -239,6 +239,11 @@ def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool:
     # check_vma=False: a pallas_call's out_shape does not say how it varies over the manual axis, which
     # the check would require; the body has no collectives, so the check would verify nothing anyway.
     pool_specs = lambda pool: jax.tree.map(_head_spec, pool)  # noqa: E731  (an Int8Pool: values and scales)
+    # Lowered for a device this process lacks, the context holds the same axes over an abstract device
+    # (kernels/lowering.py); shard_map must be given that mesh.
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.shape_tuple == mesh.abstract_mesh.shape_tuple:
+        mesh = context
     local = jax.shard_map(
         lambda q, k, v, m: attention(q, k, v, m, scale), mesh=mesh,
         in_specs=(P(None, AXIS, None), pool_specs(k_pool), pool_specs(v_pool), P()),
