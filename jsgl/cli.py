@@ -14,6 +14,7 @@ from jsgl.server.limits import ServerLimits
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--kv-cache-gb``, ``--prefix-cache``, ``--schedule-policy`` ...)."""
     choices = {
+        "device": ["auto", "cpu", "gpu", "tpu"],
         "prefix_cache": ["radix", "flat", "none"],
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
         "attention_backend": ["auto", "native", "pallas", "cpu"],
@@ -103,12 +104,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
         from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
+        from jsgl.engine.platform import Platform, current_platform, resolve_defaults
 
         cfg = engine_config(args)
         config = load_config(cfg.model)
         device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
         try:
-            dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, "cuda" if args.device_gb else None)
+            # --device-gb stands for an accelerator of that size: its defaults (page size, pool from the device).
+            platform = Platform("gpu", "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
+            defaults = resolve_defaults(platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
+                                        num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction)
+            cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
+            dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, platform.name)
             plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
                                num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
                                max_batch=cfg.max_running_requests, device_bytes=device,
@@ -118,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
               f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
-              f"{dtype}, KV {kv_dtype}")
+              f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}")
         print(plan.render())
         return 0
     from jsgl.server.app import serve
@@ -190,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jsgl.engine.platform import prepare_gpu_allocator
+
+    prepare_gpu_allocator()  # before JAX starts: a GPU's allocator must hold mem_fraction of the device
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":

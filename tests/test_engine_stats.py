@@ -52,3 +52,17 @@ def test_the_optimum_counts_a_continuation_of_an_earlier_output_as_a_hit():
     assert counter.optimal_hit_rate == 1 - 4 / 9
     counter.add([1, 2, 4])  # a branch off the first prompt
     assert (counter.prompt_tokens, counter.distinct_tokens, counter.nodes) == (12, 5, 7)
+
+
+def test_stats_say_what_the_engine_runs_on(engine):
+    """The platform, the device, the dtypes and the backends actually chosen (auto resolved), and the config
+    filled with the CPU's defaults (what /get_server_info shows)."""
+    from jsgl.kernels import cpu as cpu_kernels
+
+    stats = engine.stats()
+    assert (stats["platform"], stats["device_kind"], stats["device_count"]) == ("cpu", "cpu", 1)
+    assert (stats["dtype"], stats["kv_dtype"], stats["page_size"]) == ("float32", "float32", 1)
+    kernels = cpu_kernels.available()
+    assert stats["attention_backend"] == ("cpu" if kernels else "native")
+    assert stats["matmul_backend"] == ("gguf" if kernels else "xla")
+    assert (engine.config.page_size, engine.config.kv_cache_gb, engine.config.mem_fraction) == (1, 0.25, None)

@@ -8,12 +8,17 @@ import dataclasses
 @dataclasses.dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
-    kv_cache_gb: float = 1.0  # memory budget of the KV pool (K and V of all layers, in the KV dtype)
+    # auto: whatever JAX's default backend is; cpu | gpu | tpu: that, or an error (jsgl.engine.platform)
+    device: str = "auto"
+    # Memory budget of the KV pool (K and V of all layers, in the KV dtype). None: 1 GiB on CPU; on a GPU/TPU the
+    # pool is sized from mem_fraction instead.
+    kv_cache_gb: float | None = None
     num_kv_slots: int | None = None  # overrides kv_cache_gb when set
     # Fraction of the device's memory for weights + KV pool (SGLang's mem_fraction_static); when set, the
     # pool is what is left after weights and activations (jsgl.engine.memory), instead of kv_cache_gb.
+    # None: 0.85 on a GPU/TPU unless kv_cache_gb or num_kv_slots is given; unused on CPU.
     mem_fraction: float | None = None
-    page_size: int = 1  # token-granular pool, as in the paper
+    page_size: int | None = None  # None: 1 on CPU (token-granular, as in the paper), 16 on a GPU/TPU
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # new prompt tokens per extend step
     context_length: int | None = None  # defaults to the model's
@@ -67,8 +72,11 @@ class EngineConfig:
             raise ValueError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
         if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
             raise ValueError("cache_match_fraction < 1 needs prefix_cache radix")
-        if self.page_size < 1 or self.max_running_requests < 1 or self.chunked_prefill_size < 16:
+        if (self.page_size is not None and self.page_size < 1) or self.max_running_requests < 1 \
+                or self.chunked_prefill_size < 16:
             raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")
+        if self.device not in ("auto", "cpu", "gpu", "tpu"):
+            raise ValueError(f"device must be auto, cpu, gpu or tpu, not {self.device!r}")
         if min(self.max_top_logprobs, self.max_stop_sequences, self.max_stop_chars) < 0 \
                 or self.constraint_timeout_s <= 0:
             raise ValueError("request limits must be >= 0 and constraint_timeout_s > 0")

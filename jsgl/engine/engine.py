@@ -30,6 +30,7 @@ from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.memory import plan_memory, resolve_dtypes
 from jsgl.engine.model_runner import ForwardItem, ModelRunner, PendingStep, bucket, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
+from jsgl.engine.platform import current_platform, describe, resolve_defaults
 from jsgl.engine.request import (
     AbortReason,
     FinishReason,
@@ -67,16 +68,20 @@ CPU_OVERLAP_MAX_BATCH = 8
 
 class Engine:
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **options: Any):
-        self.config = config or EngineConfig(model=model, **options)
-        cfg = self.config
+        cfg = config or EngineConfig(model=model, **options)
         started = time.perf_counter()
+        # The platform's defaults fill what was left unset, so `config` reads as what runs (page size, pool).
+        self.platform = current_platform(cfg.device)
+        defaults = resolve_defaults(self.platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
+                                    num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction)
+        self.config = cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
         enable_compilation_cache()
-        self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype)
+        self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, self.platform.name)
         # The CPU kernels are float32: the matmul kernels take float32 weights and the attention kernel float32
         # pools and activations, so on CPU "auto" means XLA's dot under another dtype, and the native attention
         # under another dtype or KV dtype (the 8-bit format included).
         matmul, attention = cfg.matmul_backend, cfg.attention_backend
-        on_cpu = jax.default_backend() == "cpu"
+        on_cpu = not self.platform.accelerator
         if self.dtype != jnp.float32 and on_cpu and matmul == "auto":
             matmul = "xla"
         if (self.dtype != jnp.float32 or self.kv_dtype != jnp.float32) and on_cpu and attention == "auto":
@@ -105,7 +110,7 @@ class Engine:
                                        max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
                                        weight_itemsize=self.dtype.itemsize, kv_dtype=self.kv_dtype)
         num_slots = self.memory_plan.num_slots
-        if cfg.mem_fraction is not None:
+        if cfg.mem_fraction is not None or self.platform.accelerator:
             log.info("memory plan:\n%s", self.memory_plan.render())
         num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
         self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
@@ -116,6 +121,10 @@ class Engine:
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size)
         del params
+        self.platform_report = describe(self.platform, dtype=self.dtype.name, kv_dtype=self.kv_dtype.name,
+                                        attention_backend=self.runner.attention_backend,
+                                        matmul_backend=self.runner.matmul_backend, page_size=cfg.page_size)
+        log.info("running on %s", ", ".join(f"{k} {v}" for k, v in self.platform_report.items()))
         # Prefill's matmuls on AMX tiles (near float32, not bitwise the AVX-512 kernels'): said once, and in stats().
         self.amx_prefill = matmul != "xla" and cpu_kernels.amx_enabled()
         if self.amx_prefill:
@@ -138,7 +147,7 @@ class Engine:
         self._flush: list[tuple[threading.Event, list[bool]]] = []
         self._pending: list[Sequence] = []  # waiting for their constraint's index to build
         self._inflight: Overlapped | None = None  # a decode step dispatched before the last one was read back
-        self._overlap_max_batch = CPU_OVERLAP_MAX_BATCH if jax.default_backend() == "cpu" else cfg.max_running_requests
+        self._overlap_max_batch = cfg.max_running_requests if self.platform.accelerator else CPU_OVERLAP_MAX_BATCH
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              self.config.jump_forward, self.config.grammar_backend)
         self.admission = Admission(cfg, self.tokenizer, self.model_config.vocab_size, self.max_context,
@@ -307,7 +316,7 @@ class Engine:
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "compiles": self.runner.compiles,
-            "matmul_backend": self.runner.matmul_backend, "amx_prefill": self.amx_prefill,
+            **self.platform_report, "amx_prefill": self.amx_prefill,
             "cpu_vector_isa": cpu_kernels.vector_isa() if self.runner.matmul_backend != "xla" else None,
             "unplanned_compiles": self.runner.unplanned_compiles,
             "weight_bytes": self.memory_plan.weight_bytes, "kv_bytes": self.memory_plan.kv_bytes,

@@ -1,12 +1,13 @@
 """Memory planning: how many KV slots fit on a device beside the weights and a step's activations.
 
 ``--mem-fraction F`` (SGLang's ``mem_fraction_static``) gives the engine F of each device's memory for weights
-plus KV pool; what is left of that after the weights and an activation reserve becomes KV slots. The device's
-memory is what its allocator may use: on GPU/TPU the client's ``bytes_limit`` (JAX preallocates 75% of a
-GPU unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` / ``XLA_PYTHON_CLIENT_PREALLOCATE`` say otherwise: the limit
-already reflects them), on CPU the host's available RAM. Without ``--mem-fraction`` the pool is
-``--kv-cache-gb`` (or ``--num-kv-slots``) as before. ``plan_memory`` needs only the model's config, so
-``jsgl serve --dry-run --model DIR --tp N`` prints the plan without loading a weight.
+plus KV pool; what is left of that after the weights and an activation reserve becomes KV slots. F is of the
+whole device: on a GPU its size is inferred from the allocator's ``bytes_limit`` and the fraction JAX
+preallocated (75% unless ``XLA_PYTHON_CLIENT_MEM_FRACTION`` says otherwise; the `jsgl` command asks for 95%), and
+the plan never exceeds that limit; on a TPU the limit is the device; on CPU the host's available RAM. On an
+accelerator F defaults to 0.85 (jsgl.engine.platform); on CPU the pool is ``--kv-cache-gb`` (or
+``--num-kv-slots``). ``plan_memory`` needs only the model's config, so ``jsgl serve --dry-run --model DIR
+--tp N`` prints the plan without loading a weight.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jsgl.engine.kv_pool import slots_for_memory
+from jsgl.engine.platform import gpu_preallocation
 from jsgl.kernels import kv_quant
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import param_shapes
@@ -47,6 +49,15 @@ def resolve_dtypes(dtype: str, kv_dtype: str, platform: str | None = None) -> tu
 # Activations of the largest step, per token of it: the residual stream, q|k|v, the MLP's gate|up, and the
 # logits of its sampled rows, with XLA's temporaries (~3x, measured as peak minus weights on CPU).
 ACTIVATION_FACTOR = 3
+# Of an allocator's limit, the most a plan takes: the rest stays for XLA's temporaries and fragmentation.
+ALLOCATOR_SHARE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    total: int  # the device's memory
+    usable: int  # what its allocator may hand out (JAX's preallocated share of a GPU)
+    how: str  # what was measured, and how
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +105,23 @@ def load_config(model: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf(_gguf_config(gguf.GGUFReader(str(path))))
 
 
-def device_memory() -> tuple[int, str]:
-    """(bytes the first device's allocator may use, how that was found)."""
+def device_memory() -> DeviceMemory:
+    """The first device's memory and what its allocator may use of it."""
     device = jax.local_devices()[0]
     if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            return int(stats["bytes_limit"]), f"{device.device_kind}: allocator bytes_limit"
+        limit = int((device.memory_stats() or {}).get("bytes_limit", 0))
+        if limit:
+            share = gpu_preallocation() if device.platform == "gpu" else None
+            if share:
+                return DeviceMemory(int(limit / share), limit, f"{device.device_kind}: allocator bytes_limit "
+                                    f"{limit / (1 << 30):.2f} GiB = {share:.2f} of the device")
+            return DeviceMemory(limit, limit, f"{device.device_kind}: allocator bytes_limit")
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024, "cpu: host MemAvailable"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "cpu: available pages"
+            available = int(line.split()[1]) * 1024
+            return DeviceMemory(available, available, "cpu: host MemAvailable")
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return DeviceMemory(available, available, "cpu: available pages")
 
 
 def weight_bytes_per_device(config: ModelConfig, tp: int, itemsize: int = WEIGHT_BYTES) -> int:
@@ -122,12 +139,15 @@ def weight_bytes_per_device(config: ModelConfig, tp: int, itemsize: int = WEIGHT
                for x, spec in zip(jax.tree.leaves(shapes), leaves))
 
 
-def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None = None, kv_cache_gb: float = 1.0,
-                num_kv_slots: int | None = None, max_step_tokens: int = 512, max_batch: int = 64,
+def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None = None,
+                kv_cache_gb: float | None = 1.0, num_kv_slots: int | None = None, max_step_tokens: int = 512,
+                max_batch: int = 64,
                 device_bytes: tuple[int, str] | None = None, weight_itemsize: int = WEIGHT_BYTES,
                 kv_dtype: Any = jnp.float32) -> MemoryPlan:
-    """The KV pool's size and what each device holds. ``device_bytes`` overrides the measured device."""
-    total, how = device_bytes or device_memory()
+    """The KV pool's size and what each device holds. ``device_bytes`` (bytes, how) overrides the measured
+    device, all of it usable."""
+    memory = DeviceMemory(device_bytes[0], device_bytes[0], device_bytes[1]) if device_bytes else device_memory()
+    total, how = memory.total, memory.how
     weights = weight_bytes_per_device(config, tp, weight_itemsize)
     kv_heads = head_layout(config.num_heads, config.num_kv_heads, tp).num_kv_heads if tp > 1 else config.num_kv_heads
     per_token = 2 * config.num_layers * (kv_heads // tp) * kv_quant.bytes_per_head_token(kv_dtype, config.head_dim)
@@ -140,12 +160,16 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
     elif mem_fraction is not None:
         if not 0 < mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], not {mem_fraction}")
-        room = int(total * mem_fraction) - weights - activations
+        budget = int(total * mem_fraction)
+        if budget > ALLOCATOR_SHARE * memory.usable:  # the allocator cannot hand out more than its limit
+            budget = int(ALLOCATOR_SHARE * memory.usable)
+            how += f"; mem_fraction {mem_fraction} capped by it"
+        room = budget - weights - activations
         if room < per_token * 1024:
-            raise ValueError(f"mem_fraction {mem_fraction}: {total * mem_fraction / (1 << 30):.2f} GiB of the device "
+            raise ValueError(f"mem_fraction {mem_fraction}: {budget / (1 << 30):.2f} GiB of the device "
                              f"leaves no room for a KV pool beside {weights / (1 << 30):.2f} GiB of weights and "
                              f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
         slots = room // per_token
     else:
-        slots = slots_for_memory(config, kv_cache_gb, dtype=kv_dtype)
+        slots = slots_for_memory(config, 1.0 if kv_cache_gb is None else kv_cache_gb, dtype=kv_dtype)
     return MemoryPlan(how, total, tp, mem_fraction, weights, activations, per_token, slots)

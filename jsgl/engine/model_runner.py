@@ -206,6 +206,9 @@ class ModelRunner:
         # attended length (the block table is always `table_width` wide; ~0.4 ms a step at 64 x 8192).
         self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None \
             and self.kv_dtype == jnp.float32
+        # The CPU kernel's windowed layers and 8-bit pools attend through the native path, which does build them.
+        self.builds_scores = get_attention_backend(self.attention_backend).builds_scores \
+            or (self.attention_backend == "cpu" and not self.ragged)
         self.table_width = bucket(min(self.max_context, num_slots), 64)
         self.compiles = 0
         self.unplanned_compiles = 0  # signatures met while serving that precompile() had not built
@@ -231,8 +234,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:
         """Size of the padded attention scores of an extend batch (the scheduler bounds it); 0 where
-        attention is ragged and pads nothing."""
-        if self.ragged:
+        attention is ragged and pads nothing, or a kernel builds no score array (Pallas)."""
+        if self.ragged or not self.builds_scores:
             return 0
         return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
                 * bucket(max_len, 64) * 4)

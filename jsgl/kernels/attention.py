@@ -78,12 +78,16 @@ class AttentionBackend:
     tokens' K/V already written). `rope_write_attend`, where a backend has it, does RoPE on the new q and k
     (taken from the fused q|k|v projection), the K/V write and the attention as one op (the CPU kernel's,
     which saves three XLA ops per layer); it returns None where it does not apply, and the model then
-    composes the three steps itself. Calling the record calls `attend`.
+    composes the three steps itself. Calling the record calls `attend`. `builds_scores` says whether the
+    scheduler must bound an extend batch's padded score array.
     """
 
     name: str
     attend: AttentionFn
     rope_write_attend: FusedAttentionFn | None = None
+    # Whether attending materializes a [heads, requests, new tokens, length] score array (the native path);
+    # the kernels stream K/V blocks through an online softmax and build none.
+    builds_scores: bool = False
 
     def __call__(self, q: jax.Array, k_pool: kv_quant.KVPool, v_pool: kv_quant.KVPool, meta: AttentionMetadata,
                  scale: float) -> jax.Array:
@@ -171,7 +175,8 @@ def native_paged_attention(
     return flat.at[tok_idx.reshape(-1)].set(out, mode="drop")
 
 
-_BACKENDS: dict[str, AttentionBackend] = {"native": AttentionBackend("native", native_paged_attention)}
+_BACKENDS: dict[str, AttentionBackend] = {"native": AttentionBackend("native", native_paged_attention,
+                                                                     builds_scores=True)}
 
 
 def register_attention_backend(backend: AttentionBackend) -> None:
@@ -179,15 +184,17 @@ def register_attention_backend(backend: AttentionBackend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def resolve_attention_backend(name: str) -> str:
-    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native."""
+def resolve_attention_backend(name: str, platform: str | None = None) -> str:
+    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native. ``platform``:
+    JAX's backend name to resolve for (default: this process's)."""
     if name != "auto":
         return name
-    if jax.default_backend() == "gpu":
+    platform = platform or jax.default_backend()
+    if platform == "gpu":
         return "pallas"
     from jsgl.kernels import cpu
 
-    return "cpu" if jax.default_backend() == "cpu" and cpu.available() else "native"
+    return "cpu" if platform == "cpu" and cpu.available() else "native"
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

@@ -142,12 +142,14 @@ def _require() -> None:
         raise RuntimeError(f"the jsgl CPU kernels are unavailable: {unavailable_reason()}")
 
 
-def resolve_matmul_backend(name: str, tp: int = 1) -> str:
+def resolve_matmul_backend(name: str, tp: int = 1, platform: str | None = None) -> str:
     """``xla``: XLA's dot. ``packed``: the kernel over float32 panels. ``gguf``: the kernel over the GGUF
     file's own Q4_1/Q8_0 blocks where it has them (else float32 panels). ``auto``: ``gguf`` on a CPU that
-    builds the kernels, without tensor parallelism; else ``xla``."""
+    builds the kernels, without tensor parallelism; else ``xla``. ``platform``: JAX's backend name to resolve
+    for (default: this process's)."""
     if name == "auto":
-        return "gguf" if tp == 1 and jax.default_backend() == "cpu" and available() else "xla"
+        on_cpu = (platform or jax.default_backend()) == "cpu"
+        return "gguf" if tp == 1 and on_cpu and available() else "xla"
     if name not in MATMUL_BACKENDS:
         raise ValueError(f"unknown matmul backend {name!r}; known: auto, {', '.join(MATMUL_BACKENDS)}")
     if name != "xla" and tp > 1:

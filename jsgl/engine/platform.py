@@ -1,0 +1,92 @@
+"""Where the engine runs, and the defaults that follow from it (SGLang's choices on an accelerator).
+
+On a GPU or TPU: pages of 16 slots and a KV pool sized from the device (``mem_fraction`` of its memory for
+weights + KV); on the CPU: token-granular pages and a 1 GiB pool, as the paper's runtime. Asking for a device
+that is not there (``--device gpu`` on a machine whose JAX sees only its CPU) is an error naming what to
+install, never a silent CPU run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+DEVICES = ("auto", "cpu", "gpu", "tpu")
+ACCELERATOR_PAGE_SIZE = 16  # SGLang's and vLLM's page on GPUs; the Pallas kernels read a page per K/V row block
+ACCELERATOR_MEM_FRACTION = 0.85  # of the device, for weights + KV (SGLang's mem_fraction_static on large cards)
+CPU_KV_CACHE_GB = 1.0
+# JAX preallocates this fraction of a GPU unless told otherwise (XLA_PYTHON_CLIENT_MEM_FRACTION).
+JAX_GPU_PREALLOCATION = 0.75
+# What the `jsgl` command asks JAX for on a GPU before it starts: room for mem_fraction plus the step's own.
+CLI_GPU_PREALLOCATION = "0.95"
+INSTALL_HINT = {"gpu": 'pip install "jsgl[cuda12]" (or [cuda13])', "tpu": 'pip install "jsgl[tpu]"'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    name: str  # cpu | gpu | tpu (JAX's backend name)
+    device_kind: str
+    device_count: int
+
+    @property
+    def accelerator(self) -> bool:
+        return self.name != "cpu"
+
+
+def current_platform(requested: str = "auto") -> Platform:
+    """The platform JAX's default backend is on, checked against ``requested`` (``auto`` takes any)."""
+    if requested not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {requested!r}")
+    devices = jax.devices()
+    found = Platform(jax.default_backend(), devices[0].device_kind, len(devices))
+    if requested not in ("auto", found.name):
+        raise ValueError(f"device {requested!r} was asked for, but JAX's default backend is {found.name} "
+                         f"({found.device_kind}): install a {requested} build of JAX ({INSTALL_HINT[requested]}) "
+                         "or drop --device")
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformDefaults:
+    """What ``None`` in an EngineConfig field means on this platform."""
+
+    page_size: int
+    kv_cache_gb: float | None  # None: size the pool from mem_fraction
+    mem_fraction: float | None
+
+
+def resolve_defaults(platform: Platform, *, page_size: int | None, kv_cache_gb: float | None,
+                     num_kv_slots: int | None, mem_fraction: float | None) -> PlatformDefaults:
+    """Fill the fields the user left unset: an explicit pool size or fraction always wins."""
+    if page_size is None:
+        page_size = ACCELERATOR_PAGE_SIZE if platform.accelerator else 1
+    if kv_cache_gb is None and num_kv_slots is None and mem_fraction is None:
+        if platform.accelerator:
+            mem_fraction = ACCELERATOR_MEM_FRACTION
+        else:
+            kv_cache_gb = CPU_KV_CACHE_GB
+    return PlatformDefaults(page_size, kv_cache_gb, mem_fraction)
+
+
+def gpu_preallocation() -> float | None:
+    """The fraction of a GPU that JAX's allocator takes (its ``bytes_limit``), or None when it does not
+    preallocate a fraction (then the limit is not a fraction of the card we can undo)."""
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0") \
+            or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return None
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_PREALLOCATION))
+
+
+def prepare_gpu_allocator() -> None:
+    """Before JAX starts (the `jsgl` command's first act): let its allocator take most of a GPU, so a
+    ``mem_fraction`` of the device fits in it. A value the user set stays."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", CLI_GPU_PREALLOCATION)
+
+
+def describe(platform: Platform, **backends: Any) -> dict[str, Any]:
+    """What the engine reports it runs on (logs, ``stats()``, ``/get_server_info``)."""
+    return {"platform": platform.name, "device_kind": platform.device_kind, "device_count": platform.device_count,
+            **backends}

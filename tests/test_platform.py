@@ -1,0 +1,105 @@
+"""Platform defaults (jsgl.engine.platform): what an engine on a GPU/TPU or on the CPU gets when a flag is left
+unset, the memory plan they give a Llama-3-8B on an 80 GB card, the allocator's share of a GPU, the backends
+resolved per platform, and a device asked for that is not there."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jsgl.engine import memory
+from jsgl.engine.memory import DeviceMemory, plan_memory, resolve_dtypes
+from jsgl.engine.platform import (
+    ACCELERATOR_MEM_FRACTION,
+    Platform,
+    current_platform,
+    gpu_preallocation,
+    resolve_defaults,
+)
+from jsgl.kernels.attention import resolve_attention_backend
+from jsgl.kernels.cpu import resolve_matmul_backend
+from jsgl.model.config import LLAMA3_8B, ModelConfig
+
+GIB = 1 << 30
+H100 = Platform("gpu", "NVIDIA H100 80GB HBM3", 1)
+CPU = Platform("cpu", "cpu", 1)
+UNSET = dict(page_size=None, kv_cache_gb=None, num_kv_slots=None, mem_fraction=None)
+
+
+def test_this_machine_is_a_cpu_and_other_devices_are_refused_by_name():
+    assert current_platform() == current_platform("cpu") == Platform("cpu", jax.devices()[0].device_kind,
+                                                                     len(jax.devices()))
+    with pytest.raises(ValueError, match=r"jsgl\[cuda12\]"):
+        current_platform("gpu")
+    with pytest.raises(ValueError, match=r"jsgl\[tpu\]"):
+        current_platform("tpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        current_platform("cuda")
+
+
+def test_unset_fields_take_the_platforms_defaults_and_explicit_ones_win():
+    gpu = resolve_defaults(H100, **UNSET)
+    assert (gpu.page_size, gpu.kv_cache_gb, gpu.mem_fraction) == (16, None, ACCELERATOR_MEM_FRACTION)
+    cpu = resolve_defaults(CPU, **UNSET)
+    assert (cpu.page_size, cpu.kv_cache_gb, cpu.mem_fraction) == (1, 1.0, None)
+    pinned = resolve_defaults(H100, **{**UNSET, "page_size": 1, "kv_cache_gb": 2.0})
+    assert (pinned.page_size, pinned.kv_cache_gb, pinned.mem_fraction) == (1, 2.0, None)
+    slots = resolve_defaults(H100, **{**UNSET, "num_kv_slots": 4096})
+    assert (slots.kv_cache_gb, slots.mem_fraction) == (None, None)
+    assert resolve_defaults(CPU, **{**UNSET, "mem_fraction": 0.5}).mem_fraction == 0.5
+
+
+def test_an_80gb_gpu_without_flags_gives_an_8b_model_tens_of_gb_of_kv():
+    config = ModelConfig.from_hf(LLAMA3_8B)
+    defaults = resolve_defaults(H100, **UNSET)
+    dtype, kv_dtype = resolve_dtypes("auto", "auto", H100.name)
+    assert dtype == kv_dtype == np.dtype("bfloat16")
+    plan = plan_memory(config, mem_fraction=defaults.mem_fraction, kv_cache_gb=defaults.kv_cache_gb,
+                       device_bytes=(80 * GIB, "80 GB"), weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
+    assert 14 * GIB < plan.weight_bytes < 16 * GIB
+    assert 45 * GIB < plan.kv_bytes < 55 * GIB, plan.render()  # 0.85 x 80 less weights and activations
+    assert plan.num_slots > 350_000  # 128 KiB a token: ~45x the 8k context the old 1 GiB default held
+
+
+def test_the_fraction_is_of_the_whole_gpu_and_never_past_the_allocators_limit(monkeypatch):
+    for variable in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+        monkeypatch.delenv(variable, raising=False)
+    assert gpu_preallocation() == 0.75  # JAX's own default
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert gpu_preallocation() == 0.95
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    assert gpu_preallocation() is None
+
+    config = ModelConfig.from_hf(LLAMA3_8B)
+    card = 140 * GIB
+    for share, fraction, capped in ((0.95, 0.85, False), (0.75, 0.85, True)):
+        monkeypatch.setattr(memory, "device_memory", lambda s=share: DeviceMemory(card, int(s * card), "H200"))
+        plan = plan_memory(config, mem_fraction=fraction, weight_itemsize=2, kv_dtype=np.dtype("bfloat16"))
+        taken = plan.weight_bytes + plan.activation_bytes + plan.kv_bytes
+        assert plan.device_bytes == card and ("capped" in plan.device) == capped
+        assert taken <= min(fraction * card, memory.ALLOCATOR_SHARE * share * card) + config.num_layers * 4096
+        assert taken > 0.95 * min(fraction * card, memory.ALLOCATOR_SHARE * share * card)
+
+
+def test_backends_resolve_per_platform():
+    assert resolve_attention_backend("auto", "gpu") == "pallas"
+    assert resolve_matmul_backend("auto", platform="gpu") == "xla"
+    assert resolve_attention_backend("native", "gpu") == "native"
+    assert resolve_attention_backend("auto", "tpu") == "native"
+
+
+def test_pallas_extends_are_not_held_back_by_the_score_budget():
+    """The scheduler's padded-score budget counts the native path's score array; the kernels build none."""
+    from jsgl.experiments.bench_device_steps import TINY, random_params
+
+    from jsgl.engine.model_runner import ModelRunner
+
+    config = ModelConfig.from_hf(TINY)
+    params = random_params(config, np.dtype("float32"))
+    sizes = {}
+    for backend in ("pallas", "native"):
+        runner = ModelRunner(config, params, 256, attention_backend=backend, matmul_backend="xla",
+                             max_context=8192, page_size=16)
+        sizes[backend] = runner.attention_bytes(8, 128, 8192)
+    assert sizes["pallas"] == 0 and sizes["native"] >= 8 * 128 * 8192 * config.num_heads * 4
