@@ -225,8 +225,9 @@ def main(argv=None) -> int:
             for kind, batch in runs:
                 ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
     if not args.skip_engine:
-        from jsgl.experiments.bench_device_engine import run_engine_checks
+        from jsgl.experiments.bench_device_engine import engine_defaults_report, run_engine_checks
 
+        print("\nan engine left at its defaults here:", engine_defaults_report(), sep="\n", flush=True)
         print("\nthe engine end to end (Pallas attention) on tiny random checkpoints vs transformers (float32, CPU):",
               flush=True)
         smoke = dict(page_sizes=(16,), dtypes=("float32",), family_names=("qwen3",)) if args.cpu_smoke else {}

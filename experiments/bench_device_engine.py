@@ -95,6 +95,23 @@ class EngineCheck:
                 f"(tolerance {TOLERANCE[self.dtype]:.0e}) [{'ok' if self.ok else 'FAIL'}]")
 
 
+def engine_defaults_report() -> str:
+    """What an `Engine` left at its defaults picks on this device (a tiny Llama 3 checkpoint): the platform,
+    dtypes, page size and backends it reports, and its memory plan."""
+    from jsgl.engine.engine import Engine
+
+    with tempfile.TemporaryDirectory(prefix="jsgl-device-defaults-") as root:
+        build_checkpoint("llama3", Path(root), train_tokenizer())
+        engine = Engine(model=root)
+        try:
+            stats = engine.stats()
+            keys = ("platform", "device_kind", "device_count", "dtype", "kv_dtype", "page_size",
+                    "attention_backend", "matmul_backend")
+            return ", ".join(f"{k} {stats[k]}" for k in keys) + "\n" + engine.memory_plan.render()
+        finally:
+            engine.shutdown()
+
+
 def run_engine_checks(new_tokens: int = 16, page_sizes: tuple[int, ...] = (1, 16),
                       dtypes: tuple[str, ...] = ("float32", "bfloat16"), attention: str = "pallas",
                       family_names: tuple[str, ...] | None = None) -> list[EngineCheck]:
