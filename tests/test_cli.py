@@ -55,6 +55,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
+    "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA from shapes: ~10 s
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
                        "--repo", str(Path(__file__).resolve().parents[1])], None),
@@ -283,6 +284,15 @@ def test_serve_dry_run(results):
     assert "24.00 GiB" in lines["device"] and "0.05 of it" in lines["device"], out
     slots = int(lines["KV"].split(":")[1].split()[0].replace(",", ""))
     assert slots > 10_000, out
+
+
+def test_bench_host_traffic(results):
+    """Uploaded per greedy decode step at batch 64 x 8k, read off the lowered step: the packed inputs, mostly the
+    block table (2 MiB at page size 1, 128 KiB at the accelerators' 16)."""
+    out, _ = finished(results, "bench host_traffic")
+    uploaded = dict(re.findall(r"page size (\d+): ([\d.]+ [KM]iB) uploaded per greedy step", out))
+    assert uploaded == {"1": "2.002 MiB", "16": "130.25 KiB"}, out
+    assert "donated: updated in place" in out and "block_table      [64, 512]" in out, out
 
 
 def test_bench_compare(results):
