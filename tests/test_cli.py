@@ -56,6 +56,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
                         None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA from shapes: ~10 s
+    "bench loading": (["bench", "loading", "--layers", "1", "--vocab", "4096", "--rounds", "1"], None),
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
                        "--repo", str(Path(__file__).resolve().parents[1])], None),
@@ -293,6 +294,12 @@ def test_bench_host_traffic(results):
     uploaded = dict(re.findall(r"page size (\d+): ([\d.]+ [KM]iB) uploaded per greedy step", out))
     assert uploaded == {"1": "2.002 MiB", "16": "130.25 KiB"}, out
     assert "donated: updated in place" in out and "block_table      [64, 512]" in out, out
+
+
+def test_bench_loading(results):
+    out, _ = finished(results, "bench loading")
+    rates = dict(re.findall(r"^  (plain read|jsgl|host transpose) +[\d.]+ s +([\d.]+) GB/s", out, re.M))
+    assert set(rates) == {"plain read", "jsgl", "host transpose"} and all(float(r) > 0 for r in rates.values()), out
 
 
 def test_bench_compare(results):

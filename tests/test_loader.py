@@ -118,3 +118,19 @@ def test_unknown_model_names():
 
     with pytest.raises(FileNotFoundError, match="unknown model"):
         resolve_model_path("no-such-model-alias")
+
+
+def test_to_device_transposes_a_transposed_view_on_the_device():
+    """The loader hands HF matrices on as transposed views of what it read; `to_device` uploads them as stored and
+    transposes there. Every layout and dtype arrives equal to the host's contiguous copy."""
+    import ml_dtypes
+
+    from jsgl.model.loader import to_device
+
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        stored = rng.standard_normal((48, 80)).astype(dtype)  # [out, in], as a safetensors file holds it
+        for x in (stored.T, stored, stored[::2], stored.T.astype(np.float32)):
+            placed = to_device(x)
+            assert placed.shape == x.shape and placed.dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(placed), np.ascontiguousarray(x))

@@ -45,7 +45,7 @@ from jsgl.engine.sequence import Sequence
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.llama import packed_from_blocks
-from jsgl.model.loader import load_gguf_blocks, load_placed
+from jsgl.model.loader import load_gguf_blocks, load_placed, to_device
 from jsgl.model.sharding import TensorParallel
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
 from jsgl.radix.cache_base import PrefixCacheBase
@@ -179,7 +179,7 @@ class Engine:
         the padded tensor (jsgl.model.sharding)."""
         if self.config.tp > 1:
             return TensorParallel.create(config, self.config.tp).place
-        return lambda name, x: jnp.asarray(x)
+        return lambda name, x: to_device(x)
 
     def _sharding(self, config: Any) -> Any:
         """Where each restored checkpoint array goes (what ``_placer`` gives a loaded one): (leaf name, shape)
