@@ -74,6 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from jsgl.engine.engine import Engine
+    from jsgl.server.chat_spans import render_chat_spans
 
     engine = Engine(config=engine_config(args))
     messages: list[dict[str, str]] = []
@@ -88,7 +89,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            prompt = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # What was typed is text: a special token's string in it cannot close its turn (chat_spans.py).
+            prompt = render_chat_spans(engine.tokenizer, messages, add_generation_prompt=True)
             sys.stdout.write("assistant> ")
             handle = engine.submit(prompt, _sampling(args))
             for chunk in handle.stream():

@@ -10,6 +10,7 @@ import torch
 
 from jsgl.engine.kv_pool import allocate_pool
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.kernels.quant import QuantBlocks
 from jsgl.model.llama import forward_hidden, lm_logits
 from jsgl.model.loader import load_model
 
@@ -76,21 +77,66 @@ def test_converted_weights_are_cached(tmp_path, monkeypatch):
     assert params["layers"][0]["wq"].shape == (576, 576) and params["layers"][0]["attn_norm"].shape == (576,)
 
 
-def test_gguf_blocks_cache_equals_the_file(tmp_path, monkeypatch):
-    """The blocks an engine start reads from the cache are the GGUF's own, decoded afresh."""
-    from jsgl.model import loader
+# SmolLM2-135M's GGUF: the Q4_1/Q8_0 matrices of a layer (our name -> the file's), its attention heads.
+GGUF_LAYER_MATRICES = {"wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
+                       "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight"}
+SMOLLM_HEADS = {"wq": 9, "wk": 3}
 
-    cached = loader.load_gguf_blocks("smollm2-135m")
-    fresh_dir = tmp_path / "fresh"
-    fresh_dir.mkdir()
-    monkeypatch.setattr(loader, "model_cache_dir", lambda path: fresh_dir)
-    fresh = loader.load_gguf_blocks("smollm2-135m")  # parses the GGUF, then writes the cache
-    assert (fresh_dir / "blocks.v1.safetensors").exists()
-    assert loader.load_gguf_blocks("smollm2-135m")[1].kind == fresh[1].kind
-    pairs = [(la[name], lb[name]) for la, lb in zip(cached[0], fresh[0], strict=True) for name in lb]
-    assert all(la.keys() == lb.keys() for la, lb in zip(cached[0], fresh[0]))
-    assert len(pairs) == 30 * 7
-    for a, b in pairs + [(cached[1], fresh[1])]:
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama's q/k rows (convert_hf_to_gguf.py, LlamaModel.permute), written
+    here rather than taken from jsgl, which undoes it."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def dequantized(blocks: QuantBlocks) -> np.ndarray:
+    """``w[n, k] = d[n, k // 32] * q[n, k] (+ m[n, k // 32])`` in float32, the operations gguf's dequantize does."""
+    w = np.repeat(blocks.d, 32, axis=1) * blocks.q.astype(np.float32)
+    return w if blocks.m is None else w + np.repeat(blocks.m, 32, axis=1)
+
+
+def test_gguf_blocks_cache_holds_the_files_values(tmp_path, monkeypatch):
+    """The blocks an engine start reads from the cache are the file's: built into an empty cache and read back,
+    each matrix dequantizes exactly to what the `gguf` package's own dequantize gives for that tensor (Q/K rows
+    in HF order: llama.cpp's permutation of them is the file's order). Compared with values computed without
+    jsgl's block code, so neither the cache agreeing with a fresh parse nor a parse bug both share can pass."""
+    import gguf
+
+    from jsgl.model import loader
+    from jsgl.model.registry import resolve_model_path
+
+    monkeypatch.setattr(loader, "model_cache_dir", lambda path: tmp_path)
+    readers, open_reader = [], gguf.GGUFReader  # the file as gguf reads it, kept from the parse (seconds to open)
+
+    def keep_reader(*args: object) -> gguf.GGUFReader:
+        readers.append(open_reader(*args))
+        return readers[-1]
+
+    monkeypatch.setattr(gguf, "GGUFReader", keep_reader)
+    parsed = loader.load_gguf_blocks("smollm2-135m")  # parses the GGUF, then writes the cache
+    assert (tmp_path / "blocks.v1.safetensors").exists()
+    layers, head = loader.load_gguf_blocks("smollm2-135m")  # from the cache
+    assert len(readers) == 1 and readers[0].data.filename == str(resolve_model_path("smollm2-135m"))
+    tensors = {t.name: t for t in readers[0].tensors}
+
+    def file_values(name: str) -> np.ndarray:
+        t = tensors[name]
+        return gguf.quants.dequantize(t.data, t.tensor_type)
+
+    assert len(layers) == 30 and all(set(layer) == set(GGUF_LAYER_MATRICES) for layer in layers)
+    for i, layer in enumerate(layers):
+        for ours, blocks in layer.items():
+            assert blocks.kind == "q4_1" and blocks.q.dtype == np.uint8, (i, ours)
+            values = dequantized(blocks)
+            if ours in SMOLLM_HEADS:
+                values = llama_cpp_permute(values, SMOLLM_HEADS[ours])
+            np.testing.assert_array_equal(values, file_values(f"blk.{i}.{GGUF_LAYER_MATRICES[ours]}"), f"{i}.{ours}")
+    assert head.kind == "q8_0" and head.m is None and head.q.dtype == np.int8  # tied: the Q8_0 embedding
+    np.testing.assert_array_equal(dequantized(head), file_values("token_embd.weight"))
+    # And what the parse handed the engine directly is what the cache gives back.
+    pairs = [(x[name], y[name]) for x, y in zip(parsed[0], layers, strict=True) for name in x]
+    for a, b in pairs + [(parsed[1], head)]:
         assert a.kind == b.kind and np.array_equal(a.q, b.q) and np.array_equal(a.d, b.d)
         assert (a.m is None) == (b.m is None) and (a.m is None or np.array_equal(a.m, b.m))
 

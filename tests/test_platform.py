@@ -103,3 +103,30 @@ def test_pallas_extends_are_not_held_back_by_the_score_budget():
                              max_context=8192, page_size=16)
         sizes[backend] = runner.attention_bytes(8, 128, 8192)
     assert sizes["pallas"] == 0 and sizes["native"] >= 8 * 128 * 8192 * config.num_heads * 4
+
+
+def test_the_gpu_plan_is_length_free_and_lists_extends():
+    """The Pallas kernels read lengths at run time: a step's signature is (tokens, requests), decode at one
+    length (not one per length bucket: 8 at 8k, 12 at 128k) and the extends planned too, as on the CPU."""
+    from jsgl.experiments.bench_device_steps import TINY, random_params
+
+    from jsgl.engine.model_runner import ModelRunner
+
+    config = ModelConfig.from_hf({**TINY, "max_position_embeddings": 131072})
+    params = random_params(config, np.dtype("float32"))
+    counts = {}
+    for context in (8192, 131072):
+        runner = ModelRunner(config, params, context + 64, attention_backend="pallas", matmul_backend="xla",
+                             max_context=context, page_size=16)
+        assert runner.length_free and runner.table_width == context
+        plan = runner.planned_signatures("common", 64, 512)
+        decode = [s for s in plan if s[2] == 1 and s[0] == s[1]]
+        extends = [s for s in plan if s not in decode]
+        assert {s[3] for s in plan} == {context} and len(decode) == 7  # batch buckets 1..64, one length
+        assert extends and all(s[2] == s[0] for s in extends)  # S = T: each extend is (tokens, requests)
+        assert runner.step_shape(3, 3, 1, 700, True) == (4, 4, 1, context)
+        counts[context] = len(plan)
+    native = ModelRunner(config, params, 8192 + 64, attention_backend="native", matmul_backend="xla",
+                         max_context=8192, page_size=16)
+    assert len(native.planned_signatures("common", 64, 512)) == 7 * 8  # decode at every length bucket
+    assert counts[8192] == counts[131072]  # the plan no longer grows with the context

@@ -71,6 +71,8 @@ def test_unsupported_request_fields_name_themselves(field, value, why):
     ({"n": 0}, "n must"), ({"n": MAX_N + 1}, "n must"),
     ({"stop_regex": "("}, "not a valid regex"), ({"stop_regex": "a" * 300}, "byte limit"),
     ({"logit_bias": {"x": 1.0}}, "not a token id"), ({"logit_bias": {"99999999": 1.0}}, "outside"),
+    ({"logit_bias": {"5": float("inf")}}, "logit_bias: .* finite"), ({"logit_bias": {"5": -float("inf")}}, "finite"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias: .* finite"), ({"logit_bias": {"5": True}}, "logit_bias"),
     ({"sampling_seed": 2**64}, "64-bit"), ({"beam_width": 4}, "beam search"), ({"watermark": {"k": 1}}, "watermark"),
     ({"regex": "a", "ebnf": "root ::= \"a\""}, "at most one"), ({"stream_interval": 0}, "stream_interval"),
 ])

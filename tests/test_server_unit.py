@@ -130,3 +130,42 @@ def test_remote_template_renders_like_tokenizer(tokenizer):
         for gen_prompt in (False, True):
             assert renderer.apply_chat_template(messages, add_generation_prompt=gen_prompt) == \
                 tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+
+
+def test_chat_logprob_bytes_are_each_tokens_own_and_join_to_the_text(tokenizer):
+    """OpenAI's `bytes` let a client rebuild characters split across tokens: a token's own bytes, never those of
+    the U+FFFD its text alone shows."""
+    from jsgl.engine.request import FinishReason, GenerateOutput
+    from jsgl.server.common import ServerState
+    from jsgl.server.openai_chat import chat_logprobs
+
+    text = "中文字 😀 café"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)  # some tokens are parts of characters
+    out = GenerateOutput("r", text, ids, FinishReason.STOP, output_logprobs=[-0.5] * len(ids),
+                         output_top_logprobs=[[(-0.5, t)] for t in ids])
+    state = ServerState(engine=types.SimpleNamespace(tokenizer=tokenizer), model_name="m")
+    content = chat_logprobs(state, out, top=1)["content"]
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode()
+    assert [bytes(entry["top_logprobs"][0]["bytes"]) for entry in content] == [bytes(e["bytes"]) for e in content]
+
+
+# ----------------------------------------------------------------------------------------- OpenAI usage
+def _choice(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0):
+    from jsgl.engine.request import FinishReason, GenerateOutput
+
+    return GenerateOutput("r", "", [0] * completion_tokens, FinishReason.LENGTH, prompt_tokens=prompt_tokens,
+                          completion_tokens=completion_tokens, cached_tokens=cached_tokens)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_usage_counts_each_prompt_once_however_many_choices(n):
+    """Choices come prompt by prompt (n of each, as run_choices orders them); a prompt is billed once, with the
+    cache hits of its first choice; every choice's tokens count."""
+    from jsgl.server.openai_api import usage
+
+    outs = [_choice(5, 2 + k, cached_tokens=5 * (k > 0)) for k in range(n)] \
+        + [_choice(7, 1 + k, cached_tokens=3 + 4 * (k > 0)) for k in range(n)]
+    completion = sum(o.completion_tokens for o in outs)
+    assert usage(outs, n) == {"prompt_tokens": 12, "completion_tokens": completion, "total_tokens": 12 + completion,
+                              "prompt_tokens_details": {"cached_tokens": 3}}

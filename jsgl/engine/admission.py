@@ -12,6 +12,7 @@ from typing import Any
 
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.request import SamplingParams
+from jsgl.engine.spanned_prompt import SpannedPrompt, prompt_text, tokenize_prompt
 from jsgl.errors import InvalidRequestError
 
 
@@ -57,7 +58,7 @@ class Admission:
             check_text(stop, "stop string")
         return params
 
-    def prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+    def prompt_ids(self, prompt: str | SpannedPrompt | Seq[int], params: SamplingParams) -> list[int]:
         ids = self._tokenize(prompt)
         if len(ids) >= self.max_context:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context length is {self.max_context}")
@@ -67,15 +68,16 @@ class Admission:
             raise InvalidRequestError(f"logprob_start_len {params.logprob_start_len} >= prompt length")
         return ids
 
-    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
+    def _tokenize(self, prompt: str | SpannedPrompt | Seq[int]) -> list[int]:
+        if isinstance(prompt, (str, SpannedPrompt)):
+            text = prompt_text(prompt)
+            if not text:
                 raise InvalidRequestError("prompt is empty")
-            if len(prompt) > self.max_prompt_chars:  # before tokenizing: 50 MB once took 48 s to tokenize
-                raise InvalidRequestError(f"prompt has {len(prompt)} characters; the context length is "
+            if len(text) > self.max_prompt_chars:  # before tokenizing: 50 MB once took 48 s to tokenize
+                raise InvalidRequestError(f"prompt has {len(text)} characters; the context length is "
                                           f"{self.max_context} tokens")
-            check_text(prompt, "prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+            check_text(text, "prompt")
+            return tokenize_prompt(self.tokenizer, prompt)
         ids = [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("prompt is empty")

@@ -13,6 +13,9 @@ STOP_REGEX_WINDOW = 4096
 # One search may take this long; `(a|a)*b`-style backtracking would otherwise stall the engine thread
 # for every request (measured: 30 'a's take seconds). The request fails instead (400-class).
 STOP_REGEX_TIMEOUT_S = 0.01
+# Tokens already turned into text that are decoded again before new ones: a token's text can depend on its left
+# neighbour (SentencePiece's leading space is dropped from the first token of a decode).
+LEFT_CONTEXT_TOKENS = 4
 
 
 def _max_match_len(pattern: regex.Pattern) -> int:
@@ -66,12 +69,13 @@ class IncrementalDetokenizer:
         if window.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
             return False
         new_text = window[len(before):]
-        self._prefix, self._read = max(self._read - 4, 0), len(ids)
+        self._prefix, self._read = max(self._read - LEFT_CONTEXT_TOKENS, 0), len(ids)
         return self._append(new_text)
 
     def append_forced(self, text: str, num_tokens: int) -> bool:
-        """Text appended outside sampling (jump-forward); tokens from ``num_tokens`` on decode afresh."""
-        self._prefix = self._read = num_tokens
+        """Text appended outside sampling (jump-forward): the output's first ``num_tokens`` tokens, whose text
+        is taken as given; tokens from ``num_tokens`` on decode after them (as left context)."""
+        self._prefix, self._read = max(num_tokens - LEFT_CONTEXT_TOKENS, 0), num_tokens
         return self._append(text)
 
     def _append(self, new_text: str) -> bool:

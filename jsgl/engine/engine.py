@@ -42,6 +42,7 @@ from jsgl.engine.request import (
 from jsgl.engine.sampling_params import expand_parallel_samples
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.spanned_prompt import SpannedPrompt
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.llama import packed_from_blocks
@@ -136,7 +137,7 @@ class Engine:
             chunk_size=cfg.chunked_prefill_size, max_context=self.max_context,
             attention_budget_bytes=int(cfg.attention_budget_gb * (1 << 30)),
             attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
-            padded_attention=not self.runner.ragged, match_fraction=cfg.cache_match_fraction)
+            padded_attention=not self.runner.length_free, match_fraction=cfg.cache_match_fraction)
         self._rng = random.Random(cfg.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -203,9 +204,10 @@ class Engine:
                                              starvation, rng=rng)
 
     # ---------------------------------------------------------------------------------- public API
-    def submit(self, prompt: str | Seq[int], sampling_params: SamplingParams | dict | None = None,
+    def submit(self, prompt: str | SpannedPrompt | Seq[int], sampling_params: SamplingParams | dict | None = None,
                request_id: str | None = None) -> RequestHandle:
-        """Queue one request; returns at once. Raises InvalidRequestError on bad input."""
+        """Queue one request; returns at once. Raises InvalidRequestError on bad input. A `SpannedPrompt`'s plain
+        spans are tokenized as plain text (special tokens' strings there split)."""
         return self._enqueue([self._make_sequence(prompt, sampling_params, request_id)])[0]
 
     def submit_batch(self, prompts: list, sampling_params: list,
@@ -223,7 +225,8 @@ class Engine:
             raise
         return self._enqueue(seqs)
 
-    def _make_sequence(self, prompt: str | Seq[int], sampling_params: Any, request_id: str | None) -> Sequence:
+    def _make_sequence(self, prompt: str | SpannedPrompt | Seq[int], sampling_params: Any,
+                       request_id: str | None) -> Sequence:
         params = self.admission.sampling_params(sampling_params)
         if request_id is not None:
             check_text(request_id, "request id")
@@ -258,11 +261,11 @@ class Engine:
         self._wake.set()
         return [RequestHandle(self, seq) for seq in seqs]
 
-    def generate(self, prompts: str | Seq[int] | list, sampling_params: Any = None,
+    def generate(self, prompts: str | SpannedPrompt | Seq[int] | list, sampling_params: Any = None,
                  progress: bool | None = None) -> GenerateOutput | list[GenerateOutput]:
         """Generate for one prompt or a list (ids lists count as one prompt each); blocks. With n > 1 in
         a prompt's params, its n outputs come consecutively and the result is always a list."""
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        single = isinstance(prompts, (str, SpannedPrompt)) or (len(prompts) > 0 and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(batch)
         if len(params) != len(batch):

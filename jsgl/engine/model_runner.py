@@ -206,6 +206,11 @@ class ModelRunner:
         # attended length (the block table is always `table_width` wide; ~0.4 ms a step at 64 x 8192).
         self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None \
             and self.kv_dtype == jnp.float32
+        # Length-free steps: the attention reads each request's lengths at run time, so the signature drops the
+        # attended length (the block table is always `table_width` wide) and an extend's new tokens per request
+        # (S = T). The CPU kernel (ragged) and the Pallas kernels (their loops stop at each request's length, and
+        # an extend's query blocks past its new tokens exit at once): decode at 8k on a GPU was 8 length buckets.
+        self.length_free = self.ragged or self.attention_backend == "pallas"
         # The CPU kernel's windowed layers and 8-bit pools attend through the native path, which does build them.
         self.builds_scores = get_attention_backend(self.attention_backend).builds_scores \
             or (self.attention_backend == "cpu" and not self.ragged)
@@ -246,10 +251,10 @@ class ModelRunner:
 
         Decode: B = T over power-of-two request counts. Extend: T over powers of two from 16; B from 8
         (its rows cost one lm_head product each: padding 9 requests to 16 adds ~1% to a 16-token step, and
-        halves the extend signatures). Ragged attention: S = T and L fixed, so (T, B) is the signature."""
+        halves the extend signatures). Length-free attention: S = T and L fixed, so (T, B) is the signature."""
         num_b = bucket(num_items) if is_decode else bucket(num_items, 8)
         num_t = num_b if is_decode else token_bucket(total_new)
-        if self.ragged and max_len <= self.table_width:
+        if self.length_free and max_len <= self.table_width:
             return num_t, num_b, 1 if is_decode else num_t, self.table_width
         return num_t, num_b, 1 if is_decode else bucket(max_new, 16), bucket(max_len, 64)
 
@@ -314,17 +319,17 @@ class ModelRunner:
         ``common``: every decode batch bucket up to ``max_running``, and every extend (tokens up to the
         chunk size, requests up to ``max_running``): all that plain generation, constrained or sampled, can
         meet. ``all``: also the extends that return prompt logprobs (``select``, ``logprob_start_len``). With
-        padded attention (native, Pallas, tensor parallel) the attended length multiplies the set, so only
-        decode at each length bucket is planned; extends compile on first use. Jump-forward extends of
+        padded attention (native; the CPU kernel under tensor parallelism) the attended length multiplies the
+        set, so only decode at each length bucket is planned; extends compile on first use. Jump-forward extends of
         more tokens than a chunk (many running requests jumping at once) are not planned either."""
         if mode == "off":
             return []
         batch_buckets = [1 << i for i in range(bucket(max_running).bit_length())]
         token_buckets = sorted({token_bucket(n) for n in range(1, bucket(chunk_size, 16) + 1)})
-        lengths = [self.table_width] if self.ragged else \
+        lengths = [self.table_width] if self.length_free else \
             [64 << i for i in range(max(self.table_width // 64, 1).bit_length())]
         plan = [(b, b, 1, length, -1) for b in batch_buckets for length in lengths]
-        if not self.ragged:
+        if not self.length_free:
             return plan
         extends = sorted({self.step_shape(b, t, t, self.table_width, False)
                           for t in token_buckets for b in batch_buckets if b <= t})

@@ -188,8 +188,9 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias: key {key!r} is not a token id") from None
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise InvalidRequestError(f"logit_bias: token id {token} is outside [0, {vocab_size})")
-            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-                raise InvalidRequestError(f"logit_bias: the bias of token {token} must be a number")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidRequestError(f"logit_bias: the bias of token {token} must be a finite number, "
+                                          f"got {value!r}")
 
 
 FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -35,6 +36,8 @@ from jsgl.fsm.vocab import vocab_bytes
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 BACKENDS = ("jsgl", "llguidance")
 MIN_JUMP_CHARS = 2  # a one-character jump saves nothing over a masked decode step
+# Output tokens before the last sampled one that jump-forward decodes with it, to read the text it adds there.
+RETOKENIZE_CONTEXT_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -169,21 +172,52 @@ class JsglGrammarBackend(GrammarBackend):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @cached_property
+    def _anchor(self) -> tuple[str, int] | None:
+        """A special token (text, id) to encode after, or None. SentencePiece-style tokenizers (Metaspace)
+        put a space before the start of what they encode, but not after a special token."""
+        for text in (getattr(self.tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token")):
+            if isinstance(text, str) and text:
+                ids = self._encode(text)
+                if len(ids) == 1:
+                    return text, ids[0]
+        return None
+
+    def _continuation_ids(self, text: str) -> list[int]:
+        """Tokens of `text` as it continues an output: with no space put before it."""
+        if self._anchor is not None:
+            anchor_text, anchor_id = self._anchor
+            ids = self._encode(anchor_text + text)
+            if ids[:1] == [anchor_id]:
+                return ids[1:]
+        return self._encode(text)
+
     def forced_tail(self, constraint: RegexConstraint, output_ids: list[int]) -> ForcedTail | None:
         """The forced text, tokenized together with the last sampled token (which has no KV yet): the model
-        then sees the tokenization it was trained on. Kept apart where that would not round-trip."""
+        then sees the tokenization it was trained on. Kept apart where that would not give the same text
+        after the tokens before it (a byte of a multi-byte character, a tokenizer whose encoding does not
+        round-trip)."""
         forced = constraint.jump_forward_text()
         if len(forced) < MIN_JUMP_CHARS:
             return None
         if not output_ids:
-            return ForcedTail(self._encode(forced), 0, forced)
+            return ForcedTail(self._continuation_ids(forced), 0, forced)
         last = output_ids[-1]
-        last_text = self.tokenizer.decode([last])
-        if "\ufffd" in last_text:  # the last token ends a multi-byte character: keep it as is
-            return ForcedTail([last] + self._encode(forced), 1, forced)
-        tail = self._encode(last_text + forced)
-        if self.tokenizer.decode(tail) != last_text + forced:
-            tail = [last] + self._encode(forced)
+
+        def kept_apart() -> ForcedTail:  # the sampled token as it is, the forced text after it
+            return ForcedTail([last] + self._continuation_ids(forced), 1, forced)
+
+        # The last token's text where it stands (decoded alone, a SentencePiece token loses its leading space).
+        context = output_ids[-1 - RETOKENIZE_CONTEXT_TOKENS:-1] or ([self._anchor[1]] if self._anchor else [])
+        before, through_last = self._decode(context), self._decode(context + [last])
+        if not through_last.startswith(before) or through_last.endswith("\ufffd"):
+            return kept_apart()  # the last token completes or starts a multi-byte character
+        tail = self._continuation_ids(through_last[len(before):] + forced)
+        if self._decode(context + tail) != through_last + forced:
+            return kept_apart()
         return ForcedTail(tail, 1, forced)
 
     def commit_tail(self, constraint: RegexConstraint, tail: ForcedTail) -> None:

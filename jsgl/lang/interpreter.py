@@ -14,6 +14,8 @@ import uuid
 import warnings
 from typing import Any
 
+from jsgl.engine.spanned_prompt import SpannedPrompt
+from jsgl.lang import role_spans
 from jsgl.lang.global_config import global_config
 from jsgl.lang.ir import (
     Argument,
@@ -87,6 +89,7 @@ class StreamExecutor:
 
         self.text_ = ""
         self.messages_: list[dict[str, Any]] = []
+        self.role_spans_: list[tuple[int, int]] = []  # the closed roles' contents in text_ (role_spans.py)
         self.variables: dict[Any, Any] = {}
         self.variable_event: dict[Any, threading.Event] = {}
         self.meta_info: dict[Any, Any] = {}
@@ -257,6 +260,14 @@ class StreamExecutor:
         self.sync()
         return self.text_
 
+    def prompt_(self, appended: str = "") -> SpannedPrompt:
+        """``text_ + appended`` as a prompt whose role contents (an open role's too, ``appended`` in it) are plain
+        text: a special token's string the program wrote there is not a control token."""
+        spans = list(self.role_spans_)
+        if self.cur_role is not None:
+            spans.append((self.cur_role_begin_pos, len(self.text_) + len(appended)))
+        return SpannedPrompt(self.text_ + appended, tuple(spans))
+
     def messages(self) -> list[dict[str, Any]]:
         self.sync()
         return self.messages_
@@ -295,11 +306,13 @@ class StreamExecutor:
             "text": self.text_, "messages": list(self.messages_), "variables": dict(self.variables),
             "done": set(self._done_vars), "meta": dict(self.meta_info), "role": self.cur_role,
             "role_pos": self.cur_role_begin_pos, "role_suffix": self.cur_role_suffix, "error": self.error_,
+            "role_spans": list(self.role_spans_),
         }
 
     def copy_state_from(self, snap: dict[str, Any]) -> None:
         self.text_ = snap["text"]
         self.messages_ = list(snap["messages"])
+        self.role_spans_ = list(snap["role_spans"])
         self.variables = dict(snap["variables"])
         self._done_vars = set(snap["done"])
         self.meta_info = dict(snap["meta"])
@@ -437,6 +450,7 @@ class StreamExecutor:
         if self.cur_role != role:
             raise ValueError(f"role {role!r} ends but the open role is {self.cur_role!r}")
         content = self.text_[self.cur_role_begin_pos:].lstrip()
+        self.role_spans_.append((self.cur_role_begin_pos, len(self.text_)))
         self._fill(self.cur_role_suffix)
         self.messages_.append({"role": role, "content": content})
         self.cur_role = None
@@ -487,6 +501,8 @@ class StreamExecutor:
             return
         closed_after = at + len(raw) < len(self.text_)  # separate_reasoning(assistant(gen(...)))
         self.text_ = self.text_[:at] + answer + self.text_[at + len(raw):]
+        self.role_spans_ = role_spans.replaced(self.role_spans_, at, len(raw), len(answer))
+        self.cur_role_begin_pos = role_spans.moved(self.cur_role_begin_pos, at, len(raw), len(answer))
         if closed_after and self.messages_ and raw.strip() and self.messages_[-1]["content"].endswith(raw.strip()):
             last = self.messages_[-1]
             content = last["content"][: len(last["content"]) - len(raw.strip())] + answer.strip()
@@ -495,6 +511,7 @@ class StreamExecutor:
     def append_branches(self, children: list[StreamExecutor], wait: bool = True) -> None:
         """Join mode concate_and_append: the text each branch added after the fork, in branch order."""
         pieces = []
+        spans = []  # the branches' role contents, where their text lands here
         for child in children:
             if wait:
                 child.sync()
@@ -502,6 +519,10 @@ class StreamExecutor:
                 raise ProgramError(f"a forked branch failed: {child.error_!r}") from child.error_
             if child.fork_start_text_pos is None or not child.text_.startswith(self.text_[: child.fork_start_text_pos]):
                 raise ValueError("concate_and_append: the branches must be forked from this state, unchanged since")
+            offset = len(self.text_) + sum(map(len, pieces))
+            spans += role_spans.rebased(list(child.prompt_().plain), child.fork_start_text_pos, offset)
             pieces.append(child.text_[child.fork_start_text_pos:])
         # Text-level concatenation; a radix-cached backend reuses the parent's prefix and the first branch.
         self._fill("".join(pieces))
+        if self.cur_role is None:  # else the open role holds the whole of it
+            self.role_spans_ += spans

@@ -1,5 +1,8 @@
 """The in-process backend: programs talk to a jsgl Engine in the same Python process.
 
+Prompts are the state's `prompt_()`: the contents of its role blocks are plain text, so a special token's string
+the program wrote there (`<|im_end|>` in a user's message) is ordinary text, not the template's marker.
+
 `Runtime(model=...)` loads the engine; `Runtime.endpoint` is the backend (as in SGLang, either may be passed
 as `backend=` or to `set_default_backend`).
 """
@@ -10,6 +13,7 @@ import atexit
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from jsgl.engine.spanned_prompt import SpannedPrompt, prompt_text, tokenize_prompt
 from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import get_chat_template_from_tokenizer
@@ -36,11 +40,11 @@ class EngineBackend(BaseBackend):
 
     # Requests ------------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, prompt: str | SpannedPrompt) -> list[int]:
         # Exactly how the engine tokenizes a text prompt, so id prompts and text prompts share cache entries.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return tokenize_prompt(self.tokenizer, prompt)
 
-    def _result(self, prompt: str | list[int], params: dict[str, Any]) -> Any:
+    def _result(self, prompt: str | SpannedPrompt | list[int], params: dict[str, Any]) -> Any:
         return self._check(self.engine.submit(prompt, params).result())
 
     @staticmethod
@@ -73,9 +77,9 @@ class EngineBackend(BaseBackend):
         """(text, meta); with n > 1, (list of n texts, list of n metas)."""
         kwargs = sampling_params.to_engine_kwargs()
         if kwargs.get("n", 1) > 1:  # Engine.generate expands n into n requests, batched together
-            outs = [self._check(o) for o in self.engine.generate(s.text_, kwargs)]
+            outs = [self._check(o) for o in self.engine.generate(s.prompt_(), kwargs)]
             return [o.text for o in outs], [self._meta(o, sampling_params) for o in outs]
-        out = self._result(s.text_, kwargs)
+        out = self._result(s.prompt_(), kwargs)
         return out.text, self._meta(out, sampling_params)
 
     def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -85,7 +89,7 @@ class EngineBackend(BaseBackend):
         kwargs = sampling_params.to_engine_kwargs()
         if kwargs.get("n", 1) > 1:
             raise ValueError("n > 1 cannot be streamed; the interpreter generates it without streaming")
-        handle = self.engine.submit(s.text_, kwargs)
+        handle = self.engine.submit(s.prompt_(), kwargs)
         with_text = bool(sampling_params.return_text_in_logprobs)
         for chunk in handle.stream():
             if chunk.output is not None:
@@ -103,12 +107,12 @@ class EngineBackend(BaseBackend):
 
     # Hints ---------------------------------------------------------------------------------------------
 
-    def cache_prefix(self, prefix_str: str) -> None:
-        if prefix_str:
+    def cache_prefix(self, prefix_str: str | SpannedPrompt) -> None:
+        if prompt_text(prefix_str):
             self._result(prefix_str, {"max_new_tokens": 0})
 
     def commit_lazy_operations(self, s: StreamExecutor) -> None:
-        self.cache_prefix(s.text_)
+        self.cache_prefix(s.prompt_())
 
     # Select --------------------------------------------------------------------------------------------
 
@@ -126,8 +130,8 @@ class EngineBackend(BaseBackend):
         prefix hint on, the prompt is computed first, once; every choice request then reuses it from the
         prefix cache, and the choice requests are submitted together so the engine batches them.
         """
-        prefix_ids = self.encode(s.text_)
-        full_ids = [self.encode(s.text_ + c) for c in choices]
+        prefix_ids = self.encode(s.prompt_())
+        full_ids = [self.encode(s.prompt_(c)) for c in choices]
         starts = [common_prefix_len(prefix_ids, f) for f in full_ids]
         if global_config.enable_prefix_hint and prefix_ids:
             self._result(prefix_ids, {"max_new_tokens": 0})

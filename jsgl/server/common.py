@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from jsgl.engine.request import AbortReason, FinishReason, GenerateOutput
+from jsgl.fsm.vocab import vocab_bytes
 from jsgl.server.limits import ServerLimits, error_body  # noqa: F401  (error_body: re-exported)
 from jsgl.server.streaming import RequestRegistry
 
@@ -43,6 +44,13 @@ class ServerState:
             return tokenizer.decode([token_id])
 
         self.token_text = token_text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes a token adds to the output: a token that is part of a character has its own bytes, not
+        the replacement character its text shows (OpenAI's chat logprobs `bytes`, which clients join)."""
+        raw = vocab_bytes(self.engine.tokenizer).token_bytes  # built once per tokenizer (the engine warms it)
+        piece = raw[token_id] if 0 <= token_id < len(raw) else b""
+        return piece or self.token_text(token_id).encode("utf-8")  # special tokens: their text
 
     @property
     def max_context(self) -> int:

@@ -7,7 +7,9 @@
 
 A list in `text`/`input_ids` makes a batch and the response a list. `stream: true` answers with SSE
 events carrying the cumulative `text` (and `index` in a batch); the final event of each request carries
-the full meta_info, then `data: [DONE]`.
+the full meta_info, then `data: [DONE]`. A `text` prompt is tokenized as it is, a template's markers
+(`<|im_start|>`) as control tokens; `split_special_tokens: true` (per prompt, or a list) makes every special
+token's string in it ordinary text instead, as a chat message's content is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fastapi import APIRouter, Request, Response
 
 from jsgl.engine.request import GenerateOutput, StreamChunk
 from jsgl.engine.sampling_params import SamplingParams, expand_parallel_samples
+from jsgl.engine.spanned_prompt import SpannedPrompt, tokenize_prompt
 from jsgl.server.common import (
     APIError,
     ServerState,
@@ -61,6 +64,17 @@ def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
     if not prompts:
         raise APIError("the batch is empty", param="text" if req.text is not None else "input_ids")
     return prompts, single
+
+
+def _split_special_tokens(req: GenerateRequest, prompts: list[Any]) -> list[Any]:
+    """Text prompts whose `split_special_tokens` is set, as wholly plain text."""
+    split = _per_item(req.split_special_tokens, len(prompts), "split_special_tokens")
+    if req.input_ids is not None:
+        if any(split):
+            raise APIError("split_special_tokens applies to `text` prompts; `input_ids` are used as given",
+                           param="split_special_tokens")
+        return prompts
+    return [SpannedPrompt.all_plain(p) if s else p for p, s in zip(prompts, split, strict=True)]
 
 
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
@@ -132,6 +146,7 @@ async def generate(req: GenerateRequest, request: Request) -> Any:
     state = server_state(request)
     prompts, single = _prompts(req)
     check_batch(state, len(prompts))
+    prompts = _split_special_tokens(req, prompts)
     params = _engine_params(state, req, len(prompts))
     rids = None if req.rid is None else _per_item(req.rid, len(prompts), "rid")
     if rids is not None and not isinstance(req.rid, list) and len(prompts) > 1:
@@ -196,7 +211,12 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     check_batch(state, len(prompts))
 
+    if req.split_special_tokens and req.add_special_tokens:
+        raise APIError("give add_special_tokens or split_special_tokens, not both", param="split_special_tokens")
+
     def encode() -> list[list[int]]:  # off the event loop: 20 x 1 MB once stalled /health for 8 s
+        if req.split_special_tokens:
+            return [tokenize_prompt(tok, SpannedPrompt.all_plain(p)) for p in prompts]
         return [list(tok(p, add_special_tokens=req.add_special_tokens).input_ids) for p in prompts]
 
     batch = await asyncio.to_thread(encode)

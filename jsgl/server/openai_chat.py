@@ -1,7 +1,9 @@
 """OpenAI-compatible API, part 2: /v1/chat/completions.
 
 Messages are rendered with the model's own chat template (`tokenizer.apply_chat_template`), so the
-prompt is exactly what the model was trained on; `developer` messages are system messages. Function
+prompt is exactly what the model was trained on; `developer` messages are system messages. What the client
+wrote is text: a special token's string in it (`<|im_end|>`) is tokenized as ordinary text, so no message can
+close its turn and open another (chat_spans.py); only the template's own markers are control tokens. Function
 calling (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls` and `tool` messages in the
 history) is tool_calls.py's: the prompt, the constraint for "required" / a named function, and the
 parser that turns the output into `message.tool_calls` (or streamed `delta.tool_calls`) with
@@ -16,6 +18,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from jsgl.engine.request import GenerateOutput
+from jsgl.engine.spanned_prompt import SpannedPrompt
+from jsgl.server.chat_spans import render_chat_spans
 from jsgl.server.common import APIError, ServerState, check_max_tokens, server_state
 from jsgl.server.openai_api import new_id, openai_finish_reason, respond_with_choices, run_choices, sampling_params
 from jsgl.server.openai_protocol import ChatCompletionRequest, ChatMessage
@@ -30,9 +34,11 @@ from jsgl.server.tool_calls import (
 )
 
 router = APIRouter()
-# Variables the server sets itself: chat_template_kwargs may not replace them.
+# Variables the server sets itself: chat_template_kwargs may not replace them. `chat_template` too: a client's
+# own template would write any control token it likes, around any message.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
-                                       "add_generation_prompt", "continue_final_message", "return_dict"})
+                                       "add_generation_prompt", "continue_final_message", "return_dict",
+                                       "chat_template"})
 
 
 def _content(msg: ChatMessage) -> str:
@@ -60,7 +66,7 @@ def _message(msg: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_chat(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> str:
+def render_chat(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> SpannedPrompt:
     tok = state.engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
@@ -80,8 +86,8 @@ def render_chat(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) 
     if tools:
         extra["tools"] = tools
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not req.continue_final_message,
-                                       continue_final_message=req.continue_final_message, **extra)
+        return render_chat_spans(tok, messages, add_generation_prompt=not req.continue_final_message,
+                                 continue_final_message=req.continue_final_message, **extra)
     except Exception as exc:  # templates raise for roles or orders they do not support
         raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -102,8 +108,7 @@ def _tool_params(req: ChatCompletionRequest, plan: ToolPlan, params: dict[str, A
 
 def chat_logprobs(state: ServerState, out: GenerateOutput, top: int) -> dict[str, Any]:
     def entry(lp: float, t: int) -> dict[str, Any]:
-        text = state.token_text(t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": state.token_text(t), "logprob": lp, "bytes": list(state.token_bytes(t))}
 
     tops = out.output_top_logprobs or [[] for _ in out.token_ids]
     content = []
@@ -146,11 +151,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     plan = plan_tools(req)
     prompt = render_chat(state, req, plan)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # max_tokens is deprecated in favor of max_completion_tokens (OpenAI's reference): the newer field wins.
+    limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, limit_field)
     if max_tokens is None:
         max_tokens = state.max_context  # OpenAI's default: until the context is full (the engine stops there)
     else:
-        check_max_tokens(state, max_tokens)
+        check_max_tokens(state, max_tokens, limit_field)
     params = sampling_params(req, max_tokens)
     if plan.active:  # the JSON schema -> regex conversion is bounded but not free: off the event loop
         params.update(await asyncio.to_thread(_tool_params, req, plan, params))

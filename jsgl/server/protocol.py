@@ -105,11 +105,15 @@ class GenerateRequest(_ValidUnicode, _Strict):
     top_logprobs_num: int | list[int] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # True: a special token's string in `text` is ordinary text (transformers' split_special_tokens), as chat
+    # messages are; off by default, since /generate takes raw prompts that may hold a template's markers.
+    split_special_tokens: bool | list[bool] = False
 
 
 class TokenizeRequest(_ValidUnicode, _Strict):
     prompt: str | list[str]
     add_special_tokens: bool = False  # False: exactly how /generate tokenizes a text prompt
+    split_special_tokens: bool = False  # as /generate's: special tokens' strings tokenized as ordinary text
 
 
 class AbortRequest(_ValidUnicode, _Strict):
