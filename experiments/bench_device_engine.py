@@ -57,19 +57,28 @@ def train_tokenizer(vocab_size: int = 512) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def perturb_norms_and_biases(model: Any) -> Any:
+    """A random transformers model with its norms and biases away from their init (1, 0), so that a checkpoint
+    reader that dropped one would show."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.normal_(1, 0.3)
+    return model
+
+
 def build_checkpoint(family: str, folder: Path, tokenizer: Any) -> Any:
     import torch
     import transformers as tf
 
     config_cls, extra = families()[family]
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config_cls(vocab_size=len(tokenizer), **TINY, **extra))
-    with torch.no_grad():  # norms and biases away from their init (1, 0), so a dropped one would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-            elif "norm" in name:
-                p.normal_(1, 0.3)
+    model = perturb_norms_and_biases(
+        tf.AutoModelForCausalLM.from_config(config_cls(vocab_size=len(tokenizer), **TINY, **extra)))
     model = model.float().eval()
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

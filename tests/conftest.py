@@ -50,6 +50,17 @@ SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test
                           "test_schedule_policies", "test_cli", "test_precompile", "test_memory", "test_gpu_lowering"})
 
 
+def pypi_reachable() -> bool:
+    """Whether PyPI answers (tests that install or resolve from it skip without it)."""
+    import socket
+
+    try:
+        with socket.create_connection(("pypi.org", 443), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
 QUICK = False  # the quick loop (-m "not slow"): set before the test modules are imported
 
 

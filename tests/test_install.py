@@ -4,27 +4,19 @@ or libtpu is downloaded beyond its metadata), to a JAX inside jsgl's range with 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import pypi_reachable
 from packaging.requirements import Requirement
 
 PYPROJECT = Path(__file__).parent.parent / "pyproject.toml"
 PLUGINS = {"cuda12": "jax-cuda12-plugin", "cuda13": "jax-cuda13-plugin", "tpu": "libtpu"}
 
 pytestmark = pytest.mark.slow
-
-
-def _pypi_reachable() -> bool:
-    try:
-        with socket.create_connection(("pypi.org", 443), timeout=5):
-            return True
-    except OSError:
-        return False
 
 
 def test_accelerator_extras_resolve(tmp_path):
@@ -35,7 +27,7 @@ def test_accelerator_extras_resolve(tmp_path):
     for name in PLUGINS:  # each extra is JAX with that extra, in the same range as the base dependency
         (requirement,) = (Requirement(r) for r in extras[name])
         assert requirement.name == "jax" and requirement.extras == {name} and requirement.specifier == jax_range
-    if not _pypi_reachable():
+    if not pypi_reachable():
         pytest.skip("PyPI is unreachable: cannot resolve the extras")
     report = tmp_path / "report.json"
     # All three in one resolve (one JAX with the union of the extras): ~35 s, mostly metadata downloads.

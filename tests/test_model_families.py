@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from jsgl.experiments.bench_device_engine import perturb_norms_and_biases
 
 from jsgl.engine.engine import Engine
 from jsgl.engine.kv_pool import allocate_pool
@@ -57,13 +58,7 @@ def build_checkpoint(family: str, folder, dtype: torch.dtype = torch.float32) ->
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra))
-    with torch.no_grad():  # norms and biases away from their init (1, 0), so a dropped one would show
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-            elif "norm" in name:
-                p.normal_(1, 0.3)
-    model = model.to(dtype).eval()
+    model = perturb_norms_and_biases(model).to(dtype).eval()
     model.save_pretrained(folder, safe_serialization=True)
     load_tokenizer("smollm2-135m").save_pretrained(folder)
     return model

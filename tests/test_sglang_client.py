@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import pypi_reachable
 
 from jsgl.paths import cache_dir
 
@@ -42,14 +42,6 @@ CLIENT_IMPORTS = "import sglang, sglang.lang.interpreter, sglang.lang.backend.ru
 SCRIPT = Path(__file__).with_name("sglang_client_programs.py")
 
 
-def _pypi_reachable() -> bool:
-    try:
-        with socket.create_connection(("pypi.org", 443), timeout=5):
-            return True
-    except OSError:
-        return False
-
-
 def _install_client() -> Path:
     """The sglang client's --target dir, installed on first use (into a temp dir renamed into place, so an
     interrupted install is never mistaken for a finished one)."""
@@ -58,7 +50,7 @@ def _install_client() -> Path:
     target = cache_dir() / f"sglang-client-{SGLANG_VERSION}-{digest}"
     if (target / ".complete").exists():
         return target
-    if not _pypi_reachable():
+    if not pypi_reachable():
         pytest.skip("PyPI is unreachable: cannot install the sglang client to test against")
     staging = Path(tempfile.mkdtemp(prefix=f".sglang-client-{SGLANG_VERSION}-", dir=cache_dir()))
     start = time.monotonic()
@@ -66,7 +58,7 @@ def _install_client() -> Path:
                            "--target", str(staging), *CLIENT_PACKAGES], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)
-        if not _pypi_reachable():
+        if not pypi_reachable():
             pytest.skip("PyPI became unreachable while installing the sglang client")
         pytest.fail(f"pip could not install the sglang client:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     missing = _missing_module(staging)
