@@ -9,8 +9,10 @@ alternating, ``--rounds`` times each:
 
 * **plain read**: ``safetensors.safe_open(..., "flax")`` reads every tensor onto the default device as stored;
 * **jsgl**: ``load_model`` with the engine's placer (each matrix read, put on the device as stored, transposed
-  there to the forward's [in, out]: ``jsgl.model.loader.to_device``);
+  there to the forward's [in, out]: ``jsgl.model.placement.to_device``);
 * **host transpose**: the same, but each matrix made contiguous on the host first (what jsgl did before).
+
+With ``--tp N`` jsgl's two runs place each tensor's slices on N devices, as the engine does under tensor parallelism.
 
 GB/s is the checkpoint's bytes over the median wall time. The files stay in the page cache after the first
 round, so this measures the read path (memory copies, transposes), not the disk; say so where it is quoted.
@@ -30,7 +32,9 @@ import ml_dtypes
 import numpy as np
 
 from jsgl.model.config import LLAMA3_8B
-from jsgl.model.loader import load_model, to_device
+from jsgl.model.loader import load_model
+from jsgl.model.placement import to_device
+from jsgl.model.sharding import TensorParallel
 
 HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -100,9 +104,14 @@ def plain_read(folder: Path) -> list:
     return out
 
 
-def jsgl_load(folder: Path, host_transpose: bool = False) -> list:
-    place = (lambda name, x: to_device(np.ascontiguousarray(x))) if host_transpose else (lambda name, x: to_device(x))
-    _, params = load_model(str(folder), ml_dtypes.bfloat16, lambda config: place)
+def jsgl_load(folder: Path, host_transpose: bool = False, tp: int = 1) -> list:
+    """The engine's placer (tensor parallel: each device's slice), or with ``host_transpose`` each matrix made
+    contiguous on the host before it."""
+    def placer(config):
+        place = TensorParallel.create(config, tp).place if tp > 1 else lambda name, x: to_device(x)
+        return (lambda name, x: place(name, np.ascontiguousarray(x))) if host_transpose else place
+
+    _, params = load_model(str(folder), ml_dtypes.bfloat16, placer)
     return jax.tree.leaves(params)
 
 
@@ -111,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--vocab", type=int, default=None, help="cut the embedding and head to this many rows")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel over this many devices (on CPU: "
+                   "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     args = p.parse_args(argv)
-    runs = {"plain read": lambda f: plain_read(f), "jsgl": lambda f: jsgl_load(f),
-            "host transpose": lambda f: jsgl_load(f, host_transpose=True)}
+    runs = {"plain read": lambda f: plain_read(f), "jsgl": lambda f: jsgl_load(f, tp=args.tp),
+            "host transpose": lambda f: jsgl_load(f, host_transpose=True, tp=args.tp)}
     with tempfile.TemporaryDirectory(prefix="jsgl-bench-loading-") as root:
         folder = Path(root)
         nbytes = write_checkpoint(folder, args.layers, args.vocab)
@@ -124,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 jax.block_until_ready(run(folder))
                 times[name].append(time.perf_counter() - t0)
     print(f"{nbytes / 1e9:.2f} GB of bf16 safetensors (Llama-3-8B shapes, {args.layers} layers) onto "
-          f"{jax.devices()[0].device_kind}; median of {args.rounds} rounds, files in the page cache:")
+          f"{args.tp} x {jax.devices()[0].device_kind}; median of {args.rounds} rounds, files in the page cache:")
     plain = statistics.median(times["plain read"])
     for name, samples in times.items():
         median = statistics.median(samples)

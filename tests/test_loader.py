@@ -171,7 +171,7 @@ def test_to_device_transposes_a_transposed_view_on_the_device():
     transposes there. Every layout and dtype arrives equal to the host's contiguous copy."""
     import ml_dtypes
 
-    from jsgl.model.loader import to_device
+    from jsgl.model.placement import to_device
 
     rng = np.random.default_rng(0)
     for dtype in (np.float32, ml_dtypes.bfloat16):
@@ -180,3 +180,19 @@ def test_to_device_transposes_a_transposed_view_on_the_device():
             placed = to_device(x)
             assert placed.shape == x.shape and placed.dtype == x.dtype
             np.testing.assert_array_equal(np.asarray(placed), np.ascontiguousarray(x))
+
+
+def test_to_sharded_places_each_block_of_a_transposed_view():
+    """Under tensor parallelism each device's block of a transposed view travels as stored and is transposed there:
+    the array equals the host's contiguous copy, split as the sharding says (columns and rows)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jsgl.model.placement import to_sharded
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    stored = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    for spec in (PartitionSpec(None, "tp"), PartitionSpec("tp", None), PartitionSpec()):
+        placed = to_sharded(stored.T, NamedSharding(mesh, spec))
+        assert placed.sharding.spec == spec
+        np.testing.assert_array_equal(np.asarray(placed), stored.T)

@@ -46,7 +46,8 @@ from jsgl.engine.spanned_prompt import SpannedPrompt
 from jsgl.fsm import release_index
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.llama import packed_from_blocks
-from jsgl.model.loader import load_gguf_blocks, load_placed, to_device
+from jsgl.model.loader import load_gguf_blocks, load_placed
+from jsgl.model.placement import to_device
 from jsgl.model.sharding import TensorParallel
 from jsgl.model.tokenizer import load_tokenizer, stop_token_ids
 from jsgl.radix.cache_base import PrefixCacheBase

@@ -28,8 +28,6 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
@@ -163,17 +161,6 @@ def _putter(config: ModelConfig, dtype: Any, placer: Callable[[ModelConfig], Put
     return put
 
 
-_device_transpose = jax.jit(jnp.transpose)
-
-
-def to_device(x: np.ndarray, device: Any = None) -> jax.Array:
-    """A host tensor on ``device``. A transposed view (an HF matrix, stored [out, in], as the forward's [in, out])
-    travels as stored and is transposed there: numpy's strided copy of a bfloat16 matrix ran at ~0.1-0.3 GB/s."""
-    if not isinstance(x, np.ndarray):  # already a device array (a restored checkpoint's)
-        return jax.device_put(x, device)
-    if x.ndim == 2 and not x.flags.c_contiguous and x.T.flags.c_contiguous:
-        return _device_transpose(jax.device_put(x.T, device))
-    return jax.device_put(np.ascontiguousarray(x), device)
 
 
 def _flatten(params: Params) -> dict[str, np.ndarray]:
@@ -473,8 +460,8 @@ def _load_hf(path: Path, config: ModelConfig, put: Put) -> Params:
         x = raw[name].read()
         if x.dtype not in (np.float16, ml_dtypes.bfloat16):
             x = x.astype(np.float32)
-        # A matrix goes on as a transposed view of what was read: the placer transposes it where it is cheap
-        # (`to_device`: on the device), or the host copies it once (no placer, tensor-parallel slices).
+        # A matrix goes on as a transposed view of what was read: the engine's placer transposes it on its device
+        # (jsgl.model.placement), each device's block under tensor parallelism; with no placer the host copies it.
         return put(ours, x.T if transpose and x.ndim == 2 else x)
 
     if not config.tie_word_embeddings and _GLOBAL_TENSORS["lm_head"][1] not in raw:

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jsgl.kernels.attention import AttentionBackend, AttentionFn, AttentionMetadata
 from jsgl.model.config import ModelConfig
+from jsgl.model.placement import to_sharded
 
 Params = dict[str, Any]
 AXIS = "tp"
@@ -194,7 +195,7 @@ class TensorParallel:
         device ever holds the whole tensor, and the host one tensor at a time (the loader calls this per tensor)."""
         leaf = name.rsplit(".", 1)[-1]  # "layers.3.wq" -> "wq"
         w = self.pad_tensor(leaf, w)
-        return jax.make_array_from_callback(w.shape, self.sharding(leaf, w.shape), lambda index: w[index])
+        return to_sharded(w, self.sharding(leaf, w.shape))
 
     def sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         """Where the (padded) leaf ``name`` of this shape lives: what ``place`` gives it, and where a restored
