@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jsgl.engine.kv_pool import slots_for_memory
-from jsgl.engine.platform import gpu_preallocation
+from jsgl.engine.platform import CPU_KV_CACHE_GB, gpu_preallocation
 from jsgl.kernels import kv_quant
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import param_shapes
@@ -171,5 +171,5 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
                              f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
         slots = room // per_token
     else:
-        slots = slots_for_memory(config, 1.0 if kv_cache_gb is None else kv_cache_gb, dtype=kv_dtype)
+        slots = slots_for_memory(config, CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb, dtype=kv_dtype)
     return MemoryPlan(how, total, tp, mem_fraction, weights, activations, per_token, slots)

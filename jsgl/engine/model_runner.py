@@ -238,9 +238,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:
-        """Size of the padded attention scores of an extend batch (the scheduler bounds it); 0 where
-        attention is ragged and pads nothing, or a kernel builds no score array (Pallas)."""
-        if self.ragged or not self.builds_scores:
+        """Size of the padded attention scores of an extend batch (the scheduler bounds it); 0 where no score
+        array is built (the kernels; the CPU kernel's fallback to the native path does build one)."""
+        if not self.builds_scores:
             return 0
         return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
                 * bucket(max_len, 64) * 4)
