@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from conftest import wait_idle
 
-import jsgl.engine.engine as engine_module
+import jsgl.engine.engine_loop as engine_loop
 
 SHARED = "You are a helpful assistant. Answer the question briefly and precisely. Question: "
 PROMPTS = [SHARED + q for q in ("What is the capital of France?", "What is two plus two?", "Name a red fruit.")]
@@ -31,11 +31,11 @@ def test_achieved_and_optimal_hit_rates_cover_the_same_window(engine):
 
 
 def test_the_optimal_hit_rate_trie_is_bounded(engine, monkeypatch):
-    monkeypatch.setattr(engine_module, "HIT_RATE_WINDOW_TOKENS", 40)
+    monkeypatch.setattr(engine_loop, "HIT_RATE_WINDOW_TOKENS", 40)
     for i in range(6):
         engine.generate(f"A different prompt number {i} about something else entirely", GREEDY)
     wait_idle(engine)
-    assert engine._distinct.nodes < 40 + 20  # reset before it grew past the bound (+ one prompt)
+    assert engine.loop.distinct.nodes < 40 + 20  # reset before it grew past the bound (+ one prompt)
     assert engine.scheduler.stats.batched_requests >= engine.scheduler.stats.steps  # running totals, no list
 
 

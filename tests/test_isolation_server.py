@@ -363,7 +363,7 @@ def test_streaming_client_that_disconnects_is_aborted_within_two_seconds(server,
                 lines = r.iter_lines()  # kept: dropping the iterator would close the connection
                 first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
                 assert first["meta_info"]["finish_reason"] is None, first
-                seq = engine._by_id[rid]
+                seq = engine.mailbox.get(rid)
                 # While connected (even reading nothing) it keeps decoding.
                 deadline = time.monotonic() + 30
                 while len(seq.output_ids) < 4:

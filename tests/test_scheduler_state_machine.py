@@ -1,9 +1,9 @@
 """A hypothesis state machine over the real Scheduler, SlotAllocator and prefix cache (RadixCache, FlatCache,
 NoPrefixCache, or None), with fake forward results: no model, no JAX forward.
 
-Each step mirrors Engine.step and OutputProcessor.absorb on the sequences (advance ``num_computed``, append a
+Each step mirrors EngineLoop.step and OutputProcessor.absorb on the sequences (advance ``num_computed``, append a
 fake sampled token, finish at ``max_new_tokens``, jump-forward, drop finished ones before ``after_step``), and
-aborts, per-request step failures and a failed whole step mirror Engine._finish / _fail_one / _loop. After
+aborts, per-request step failures and a failed whole step mirror EngineLoop.finish / _fail_one / run. After
 every rule (and every step inside one) the slot ownership is checked: the allocator's free pages, the tree's
 slots and the live sequences' private slots (``slots[num_cached:]``) are disjoint and cover the pool, slot 0's
 page is never handed out, the queues are disjoint and hold exactly the unfinished requests, and every lock on
@@ -242,7 +242,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.has_work())
     @rule(pick=st.integers(0, 1 << 16), in_absorb=st.booleans())
     def step_one_request_fails(self, pick: int, in_absorb: bool) -> None:
-        """One request fails alone (Engine._fail_one): its inputs or its forward (it ends before anyone absorbs),
+        """One request fails alone (EngineLoop._fail_one): its inputs or its forward (it ends before anyone absorbs),
         or absorbing its sampled token (after absorb advanced num_computed)."""
         self._clean = False
         self._step(fail_pick=pick, fail_in_absorb=in_absorb)
@@ -250,7 +250,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.has_work())
     @rule(lost_kv=st.booleans())
     def step_fails(self, lost_kv: bool) -> None:
-        """A step fails outside any one request (Engine._loop's handler): every admitted request ends."""
+        """A step fails outside any one request (EngineLoop.run's handler): every admitted request ends."""
         self._clean = False
         batch = self.sched.schedule()
         if batch is None:
@@ -265,7 +265,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 1 << 16), admitted=st.booleans())
     def abort(self, pick: int, admitted: bool) -> None:
-        """Engine._abort_now between steps: finish, retire (drop), publish."""
+        """EngineLoop.run's aborts between steps: finish, retire (drop), publish."""
         self._clean = False
         live = [*self.sched.prefilling, *self.sched.running]
         if not admitted or not live:
@@ -288,7 +288,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.sched.has_work())
     @rule()
     def flush(self) -> None:
-        """Engine._run_flushes: only when idle; afterwards the whole pool is free."""
+        """EngineLoop.run's flushes: only when idle; afterwards the whole pool is free."""
         self._clean = False
         count("flush")
         self.cache.evict(self.cache.total_size())
@@ -297,7 +297,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------------ the engine's part
     def _finish(self, seq: Sequence, reason: FinishReason, abort_reason: AbortReason | None = None) -> None:
-        """Engine._finish: set the reason, then _retire (scheduler.drop)."""
+        """EngineLoop.finish: set the reason, then retire (scheduler.drop)."""
         seq.finish_reason, seq.abort_reason = reason, abort_reason
         self._retire(seq)
 
@@ -307,7 +307,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.retracted.discard(seq)
 
     def _step(self, fail_pick: int | None = None, fail_in_absorb: bool = False) -> Batch | None:
-        """Engine.step with a fake forward: schedule, (fail one), absorb each, retire finished, after_step."""
+        """EngineLoop.step with a fake forward: schedule, (fail one), absorb each, retire finished, after_step."""
         evicted = self.cache.evicted_tokens_total
         waiting_before, running_before = set(self.sched.waiting), set(self.sched.running)
         batch = self.sched.schedule()
@@ -332,7 +332,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self._finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED)
                 continue
             if self._absorb(seq, chunk, batch.samples(i)) and seq.finished:
-                self._retire(seq)  # free KV before publishing, as Engine.step does
+                self._retire(seq)  # free KV before publishing, as EngineLoop.step does
         self.sched.after_step(batch)
         return batch
 

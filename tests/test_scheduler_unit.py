@@ -56,7 +56,7 @@ def seq(prompt, max_new=8, arrival=0.0, rid="r", **params):
 
 
 def step(sched, expect=True):
-    """Engine.step with a fake forward: absorb each row, retire finished requests, then after_step."""
+    """EngineLoop.step with a fake forward: absorb each row, retire finished requests, then after_step."""
     batch = sched.schedule()
     if batch is None:
         assert not expect, "nothing scheduled"

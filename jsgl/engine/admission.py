@@ -35,12 +35,11 @@ class Admission:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max_context * max(longest, 1)
 
-    def sampling_params(self, value: SamplingParams | dict | None, allow_n: bool = False) -> SamplingParams:
-        """Validated params; ``allow_n``: the caller expands n > 1 into n requests (one request is one
-        sample)."""
+    def sampling_params(self, value: SamplingParams | dict | None) -> SamplingParams:
+        """Validated params of one request (one sample: n > 1 is expanded by the caller)."""
         params = SamplingParams.from_any(value)
         params.validate(self.vocab_size)
-        if params.n > 1 and not allow_n:
+        if params.n > 1:
             raise InvalidRequestError("n > 1 asks for several samples: expand it into n requests "
                                       "(Engine.generate and the server do; Engine.submit takes one)")
         cfg = self.config

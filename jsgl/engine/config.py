@@ -46,7 +46,7 @@ class EngineConfig:
     # Overlap scheduling (SGLang's, on by default there too): while a decode step runs, the next decode step of
     # the same requests is dispatched with the running step's tokens as its inputs, still on device; the host
     # reads, detokenizes and schedules meanwhile. Off: each step is read back before the next is built. On CPU,
-    # where the step runs on the host's cores, only decode batches of up to 8 overlap (engine.CPU_OVERLAP_MAX_BATCH).
+    # where the step runs on the host's cores, only decode batches of up to 8 overlap (overlap.CPU_OVERLAP_MAX_BATCH).
     overlap_schedule: bool = True
     seed: int = 0  # seeds requests that do not bring their own
     tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)

@@ -34,6 +34,19 @@ def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sh
     return make(), make()
 
 
+def page_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """The slots of whole pages, in order (page p is slots [p * page_size, (p + 1) * page_size))."""
+    return (np.asarray(pages, np.int32)[:, None] * page_size + np.arange(page_size, dtype=np.int32)).reshape(-1)
+
+
+def slot_pages(slots: np.ndarray, num_tokens: int, page_size: int) -> np.ndarray:
+    """The pages holding the first ``num_tokens`` of a request's slots (which come in whole pages): a block
+    table's row. With page_size 1 these are the slots themselves."""
+    if page_size == 1:
+        return slots[:num_tokens]
+    return slots[: -(-num_tokens // page_size) * page_size: page_size] // page_size
+
+
 class SlotAllocator:
     """Free list of pool slots (page-granular). Host-side; the engine thread is its only user."""
 
@@ -62,8 +75,7 @@ class SlotAllocator:
             return None
         taken = [self._free_pages.pop() for _ in range(pages)]
         self._is_free[taken] = False
-        slots = (np.asarray(taken, np.int32)[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
-        return slots.astype(np.int32)
+        return page_slots(taken, self.page_size)
 
     def free(self, slots: np.ndarray) -> None:
         if len(slots) == 0:

@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsgl.engine.kv_pool import allocate_pool
+from jsgl.engine.backends import Backends, resolve_backends
+from jsgl.engine.kv_pool import allocate_pool, slot_pages
 from jsgl.engine.sampler import argmax, sample, stage_flags
+from jsgl.engine.sampling_params import GREEDY_TEMPERATURE
 from jsgl.engine.step_inputs import StepLayout, new_packed, unpack_forward, unpack_sampling
-from jsgl.kernels import cpu as cpu_kernels
-from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
+from jsgl.kernels.attention import get_attention_backend
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
 from jsgl.model.sharding import TensorParallel
@@ -163,21 +164,17 @@ class ModelRunner:
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
                  max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False,
-                 page_size: int = 1):
+                 page_size: int = 1, backends: Backends | None = None):
         """``params``: host arrays, placed here (sharded under ``tp``), or with ``params_placed`` already on their
         devices and shards (the engine's loader puts them there tensor by tensor)."""
         self.config = config
         self.kv_dtype = jnp.dtype(kv_dtype)
         self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
-        # Under tensor parallelism the matmuls stay XLA's (it partitions them by the shardings); attention runs
-        # per shard on its heads: the Pallas kernels on GPU, the native path on CPU (the C++ kernels do not shard).
-        self.attention_backend = "native" if tp > 1 and attention_backend == "auto" and \
-            jax.default_backend() == "cpu" else resolve_attention_backend(attention_backend)
-        self.matmul_backend = cpu_kernels.resolve_matmul_backend(matmul_backend, tp)
-        if self.attention_backend == "cpu" and not cpu_kernels.available():
-            raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
-        if self.attention_backend == "cpu" and config.layer_windows:
-            # Not silent: the windowed layers' attention is the native path's (the kernels do not mask one).
+        # Resolved by the engine (it loads the weights by them), or here for a runner built directly.
+        self.backends = backends or resolve_backends(attention_backend, matmul_backend, tp=tp, kv_dtype=kv_dtype,
+                                                     page_size=page_size)
+        self.attention_backend, self.matmul_backend = self.backends.attention, self.backends.matmul
+        if self.attention_backend == "cpu" and config.layer_windows:  # not silent: the kernels mask no window
             log.info("attention: the CPU kernels have no sliding window; layers %s (window %d) attend through "
                      "the native path", [i for i, w in enumerate(config.layer_windows) if w],
                      max(config.layer_windows))
@@ -186,9 +183,6 @@ class ModelRunner:
         # The pool's pages (the allocator's): block tables hold one entry per page, page p being slots
         # [p * page_size, (p + 1) * page_size); the Pallas kernels read them so, the other paths expand them.
         self.page_size = page_size
-        if self.attention_backend == "pallas" and page_size & (page_size - 1):
-            raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
-                             "size must be a power of two (1, 2, 4, ..., 64)")
         # tp > 1: params (numpy or device arrays) are padded to whole GQA groups per shard and placed
         # with NamedShardings; the forward runs with the padded config (see jsgl.model.sharding).
         self.tp = TensorParallel.create(config, tp) if tp > 1 else None
@@ -201,19 +195,8 @@ class ModelRunner:
         if self.matmul_backend != "xla":
             params = with_packed_weights(params, weight_blocks if self.matmul_backend == "gguf" else None)
         self.params = params
-        # Ragged attention (the CPU kernel on every layer) reads each request's lengths from the metadata: the
-        # padded attention shape then costs nothing, so a step's signature drops the longest chunk and the
-        # attended length (the block table is always `table_width` wide; ~0.4 ms a step at 64 x 8192).
-        self.ragged = self.attention_backend == "cpu" and not config.layer_windows and self.tp is None \
-            and self.kv_dtype == jnp.float32
-        # Length-free steps: the attention reads each request's lengths at run time, so the signature drops the
-        # attended length (the block table is always `table_width` wide) and an extend's new tokens per request
-        # (S = T). The CPU kernel (ragged) and the Pallas kernels (their loops stop at each request's length, and
-        # an extend's query blocks past its new tokens exit at once): decode at 8k on a GPU was 8 length buckets.
-        self.length_free = self.ragged or self.attention_backend == "pallas"
-        # The CPU kernel's windowed layers and 8-bit pools attend through the native path, which does build them.
-        self.builds_scores = get_attention_backend(self.attention_backend).builds_scores \
-            or (self.attention_backend == "cpu" and not self.ragged)
+        self.ragged, self.length_free = self.backends.ragged(config), self.backends.length_free(config)
+        self.builds_scores = self.backends.builds_scores(config)
         self.table_width = bucket(min(self.max_context, num_slots), 64)
         self.compiles = 0
         self.unplanned_compiles = 0  # signatures met while serving that precompile() had not built
@@ -290,11 +273,8 @@ class ModelRunner:
             if it.target_ids is not None:
                 rows["target_ids"][sl] = it.target_ids
             rows["q_start"][b], rows["q_len"][b], rows["kv_lens"][b] = offset, m, kv_len
-            if self.page_size == 1:
-                rows["block_table"][b, :kv_len] = it.slots[:kv_len]
-            else:  # a request's slots come in whole pages: each page's first slot names it
-                pages = -(-kv_len // self.page_size)
-                rows["block_table"][b, :pages] = it.slots[: pages * self.page_size: self.page_size] // self.page_size
+            pages = slot_pages(it.slots, kv_len, self.page_size)
+            rows["block_table"][b, :len(pages)] = pages
             rows["sample_index"][b] = offset + m - 1
             offset += m
         if after is not None:
@@ -443,7 +423,7 @@ class ModelRunner:
         bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
         logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
         repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
-        all_greedy = not (temperature > 1e-5).any()
+        all_greedy = not (temperature > GREEDY_TEMPERATURE).any()
         rows["flags"][:] = stage_flags(all_greedy=all_greedy, token_logprobs=logprobs, apply_mask=masked,
                                        apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
         plain = all_greedy and not (logprobs or masked or biased or repeated or top_logprobs > 0)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsgl.engine.sampling_params import GREEDY_TEMPERATURE
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +182,9 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
     greedy_tokens = argmax(logits)
 
     def sampled(x: jax.Array) -> jax.Array:
-        scaled = x / jnp.maximum(s.temperature, 1e-5)[:, None]
+        scaled = x / jnp.maximum(s.temperature, GREEDY_TEMPERATURE)[:, None]
         keys = row_keys(s.seeds, s.steps)
-        sampling = s.temperature > 1e-5
+        sampling = s.temperature > GREEDY_TEMPERATURE
         filtered = sampling & ((s.top_k < x.shape[-1]) | (s.top_p < 1.0) | (s.min_p > 0.0))
 
         def unfiltered(y: jax.Array) -> jax.Array:  # Gumbel-max, as jax.random.categorical, with the faster argmax

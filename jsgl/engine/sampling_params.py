@@ -16,6 +16,9 @@ import regex
 
 from jsgl.errors import InvalidRequestError
 
+# A temperature at or below this samples greedily (the argmax), as in SGLang.
+GREEDY_TEMPERATURE = 1e-5
+
 # /generate takes these at the top level of the request, not inside `sampling_params`.
 REQUEST_LEVEL_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num")
 # Old jsgl spellings still accepted (the OpenAI API says `seed`; SGLang says `sampling_seed`).
@@ -98,7 +101,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 1e-5 or self.top_k == 1
+        return self.temperature <= GREEDY_TEMPERATURE or self.top_k == 1
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias with integer token ids (validate() has checked the keys)."""
@@ -133,7 +136,7 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]")
         check(0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2] (1 = no penalty)")
-        check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        check_n(self.n)
         check(self.sampling_seed is None or (is_int(self.sampling_seed) and -2**63 <= self.sampling_seed < 2**63),
               f"sampling_seed must be a 64-bit integer, got {self.sampling_seed!r}")
         check(self.stream_interval is None or (is_int(self.stream_interval) and self.stream_interval >= 1),
@@ -196,12 +199,19 @@ class SamplingParams:
 FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def check_n(n: Any) -> None:
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N):
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+
+
 def expand_parallel_samples(prompts: list[Any], params: list[SamplingParams]) -> tuple[list[Any], list[SamplingParams]]:
     """n > 1 becomes n requests of the same prompt, consecutive, as SGLang orders them. A given
-    sampling_seed is offset per sample (the same seed would make every sample identical)."""
+    sampling_seed is offset per sample (the same seed would make every sample identical). Only ``n`` is checked
+    here: each sample's params are validated once, when the engine admits it."""
     out_prompts: list[Any] = []
     out_params: list[SamplingParams] = []
     for prompt, p in zip(prompts, params, strict=True):
+        check_n(p.n)
         for j in range(p.n):
             seed = p.sampling_seed
             if seed is not None and j:

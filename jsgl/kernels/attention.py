@@ -198,11 +198,11 @@ def resolve_attention_backend(name: str, platform: str | None = None) -> str:
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    name = resolve_attention_backend(name)
+    """The registered backend of a resolved name (``resolve_attention_backend`` turns ``auto`` into one)."""
     if name == "pallas" and "pallas" not in _BACKENDS:
         import jsgl.kernels.pallas_attention  # noqa: F401  (registers itself)
     if name == "cpu" and "cpu" not in _BACKENDS:
         import jsgl.kernels.cpu  # noqa: F401  (registers itself)
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)} or 'auto'")
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}, or 'auto' to choose")
     return _BACKENDS[name]

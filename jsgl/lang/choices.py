@@ -13,6 +13,8 @@ import math
 import random
 from typing import Any
 
+from jsgl.engine.sampling_params import GREEDY_TEMPERATURE
+
 TokenLogprob = tuple[float | None, int, str | None]
 
 
@@ -164,7 +166,7 @@ def decide(choices: list[str], cond: list[list[TokenLogprob]], uncond: list[list
         "unconditional_token_logprobs": uncond,
     }
     decision = method(**kwargs)
-    if temperature <= 1e-5 or not hasattr(method, "scores"):
+    if temperature <= GREEDY_TEMPERATURE or not hasattr(method, "scores"):
         return decision
     scores = method.scores(**kwargs)
     finite = [(-math.inf if math.isnan(x) else x) for x in scores]

@@ -112,7 +112,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         # The client gets an id to quote, never the exception text (it may hold another request's input).
         error_id = secrets.token_hex(6)
         log.exception("request failed (error id %s)", error_id)
-        stopped = not server_state(request).engine._thread.is_alive()
+        stopped = not server_state(request).engine.alive()
         status = 503 if stopped else 500
         message = "the engine is shut down" if stopped else "internal server error"
         return JSONResponse(error_body(f"{message} (error id {error_id})", status, "server_error"),
@@ -122,7 +122,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _install_admin_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        alive = server_state(request).engine._thread.is_alive()
+        alive = server_state(request).engine.alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/health_generate")

@@ -105,8 +105,6 @@ def _engine_params(state: ServerState, req: GenerateRequest, n: int) -> list[Sam
 def _parallel_samples(prompts: list[Any], params: list[SamplingParams], rids: list[str] | None,
                       ) -> tuple[list[Any], list[SamplingParams], list[str] | None]:
     """n > 1: n requests per prompt (sample j's rid is `{rid}-{j}`)."""
-    for p in params:
-        p.validate()  # n's range before expanding it; the engine checks the rest again per sample
     counts = [p.n for p in params]
     prompts, params = expand_parallel_samples(prompts, params)
     if rids is not None:

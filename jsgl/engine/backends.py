@@ -1,0 +1,72 @@
+"""Which kernels run the model, decided once: the attention and matmul backends, and what follows from them.
+
+``resolve_backends`` turns the configuration's names (``auto`` included), the platform, the dtypes and the
+tensor-parallel degree into a ``Backends`` record, before the weights load (they load by it: the GGUF's blocks
+for ``gguf``); the runner builds its step and its step shapes from it, and ``stats()`` reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jsgl.kernels import cpu as cpu_kernels
+from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
+from jsgl.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    attention: str  # native | cpu | pallas (kernels/attention.py's registry)
+    matmul: str  # xla | packed | gguf (kernels/cpu.py)
+    tp: int = 1
+
+    def ragged(self, config: ModelConfig) -> bool:
+        """The CPU attention kernel on every layer (it has no sliding window): it reads each request's lengths
+        from the metadata."""
+        return self.attention == "cpu" and self.tp == 1 and not config.layer_windows
+
+    def length_free(self, config: ModelConfig) -> bool:
+        """A step's signature drops the attended length and an extend's new tokens per request: the kernels read
+        lengths at run time (the CPU kernel when ragged; the Pallas kernels' loops stop at each request's length)."""
+        return self.ragged(config) or self.attention == "pallas"
+
+    def builds_scores(self, config: ModelConfig) -> bool:
+        """Whether attention materializes a [heads, queries, keys] score array (the scheduler bounds its size):
+        the native path does, and the CPU kernel's windowed layers go through it."""
+        return get_attention_backend(self.attention).builds_scores or (self.attention == "cpu" and
+                                                                       not self.ragged(config))
+
+
+def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int = 1, dtype: Any = jnp.float32,
+                     kv_dtype: Any = jnp.float32, page_size: int = 1, platform: str | None = None) -> Backends:
+    """The backends on ``platform`` (JAX's backend name; default this process's). A choice that cannot run is an
+    error naming the option to change."""
+    platform = platform or jax.default_backend()
+    dtype, kv_dtype = jnp.dtype(dtype), jnp.dtype(kv_dtype)
+    on_cpu = platform == "cpu"
+    # The CPU kernels are float32 (weights, pools and activations): under another dtype "auto" means XLA's dot,
+    # and the native attention (the 8-bit KV format included). Under tensor parallelism the matmuls stay XLA's
+    # (it partitions them by the shardings) and attention runs per shard: the C++ kernels do not shard.
+    if attention == "auto" and on_cpu and (dtype != jnp.float32 or kv_dtype != jnp.float32 or tp > 1):
+        attention = "native"
+    if matmul == "auto" and on_cpu and dtype != jnp.float32:
+        matmul = "xla"
+    attention = resolve_attention_backend(attention, platform)
+    matmul = cpu_kernels.resolve_matmul_backend(matmul, tp, platform)
+    get_attention_backend(attention)  # an unknown name is refused here
+    if dtype != jnp.float32 and matmul != "xla":
+        raise ValueError(f"dtype {dtype}: the CPU matmul kernels are float32; use matmul_backend=xla (or auto)")
+    if attention == "cpu":
+        if not cpu_kernels.available():
+            raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
+        if dtype != jnp.float32 or kv_dtype != jnp.float32:
+            raise ValueError(f"dtype {dtype}, kv_dtype {kv_dtype}: the CPU attention kernel is float32; use "
+                             "attention_backend=native (or auto)")
+    if attention == "pallas" and page_size & (page_size - 1):
+        raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
+                         "size must be a power of two (1, 2, 4, ..., 64)")
+    return Backends(attention, matmul, tp)

@@ -1,0 +1,307 @@
+"""The engine thread: the loop that takes what callers posted, steps the model, and finishes requests.
+
+Only this thread touches the scheduler, the allocator, the prefix cache and the device buffers. One iteration:
+take the mailbox's requests, flushes and aborts; hand requests whose constraint is built to the scheduler; run a
+step (scheduled, or the overlapped one dispatched by the step before); fold its tokens back, finishing and
+retiring requests. A failed batched step is rerun per request, so only the culprit fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+
+from jsgl.engine.config import EngineConfig
+from jsgl.engine.constrained import ConstraintManager
+from jsgl.engine.mailbox import Mailbox
+from jsgl.engine.model_runner import ForwardItem, ModelRunner, PendingStep
+from jsgl.engine.output_processor import OutputProcessor
+from jsgl.engine.overlap import Overlapped, OverlapScheduler
+from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
+from jsgl.engine.scheduler import Batch, Scheduler
+from jsgl.engine.sequence import Sequence
+from jsgl.fsm import release_index
+from jsgl.radix.cache_base import PrefixCacheBase
+from jsgl.radix.metrics import DistinctPrefixCounter
+
+log = logging.getLogger("jsgl.engine")
+
+# Tokens the optimal-hit-rate trie may hold: ~256 B a node, so ~8 MB. Outputs go in too (a next call extends
+# them), so a soak of unique sampled outputs needs the bound to keep its memory flat.
+HIT_RATE_WINDOW_TOKENS = 1 << 15
+
+
+class EngineLoop:
+    def __init__(self, config: EngineConfig, mailbox: Mailbox, scheduler: Scheduler, runner: ModelRunner,
+                 prefix_cache: PrefixCacheBase, constraints: ConstraintManager, outputs: OutputProcessor,
+                 overlap: OverlapScheduler):
+        self.config = config
+        self.mailbox = mailbox
+        self.scheduler = scheduler
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.constraints = constraints
+        self.outputs = outputs
+        self.overlap = overlap
+        self.pending: list[Sequence] = []  # waiting for their constraint's index to build
+        self._inflight: Overlapped | None = None  # a decode step dispatched before the last one was read back
+        self.forward_passes = 0
+        self.step_time = {"decode": 0.0, "extend": 0.0}
+        self.reset_hit_rate_window()
+        self._thread = threading.Thread(target=self.run, name="jsgl-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+    def idle(self) -> bool:
+        return not self.pending and not self.scheduler.has_work() and self._inflight is None
+
+    # --------------------------------------------------------------------------------------- loop
+    def run(self) -> None:
+        while True:
+            news = self.mailbox.take()
+            for seq in news.requests:
+                if self.distinct.nodes >= HIT_RATE_WINDOW_TOKENS:
+                    self.reset_hit_rate_window()  # bound the trie: a long-running server's memory stays flat
+                self.distinct.add(seq.prompt_ids)
+                if seq.constraint_ready is not None:
+                    self.pending.append(seq)
+                else:
+                    self.scheduler.add(seq)
+            self._activate_constraints()
+            for flush in news.flushes:
+                if not self.scheduler.has_work() and not self.pending:
+                    self.prefix_cache.evict(self.prefix_cache.total_size())
+                    self.reset_hit_rate_window()
+                    flush.ok = True
+                flush.done.set()
+            for rid in news.aborts:
+                seq = self.mailbox.get(rid)
+                if seq is not None and not seq.finished:
+                    self.finish(seq, FinishReason.ABORT, AbortReason.CLIENT, "aborted")
+            if news.stopped:
+                for seq in [*self.pending, *self.scheduler.waiting, *self.scheduler.prefilling,
+                            *self.scheduler.running]:
+                    self.finish(seq, FinishReason.ABORT, AbortReason.SHUTDOWN, "engine shut down")
+                return
+            if not self.scheduler.has_work() and self._inflight is None:
+                self.mailbox.wait(timeout=0.5)  # also the granularity of constraint timeouts
+                continue
+            try:
+                self.step()
+            except Exception:  # not attributable to one request (step() isolates those): fail the batch
+                self._fail_all(log_failure("engine step failed outside any one request"))
+
+    def _activate_constraints(self) -> None:
+        """Hand requests whose FSM index finished building to the scheduler."""
+        still = []
+        now = time.monotonic()
+        for seq in self.pending:
+            if seq.finished:
+                continue
+            if not seq.constraint_ready.done():
+                if now - seq.arrival_time > self.config.constraint_timeout_s:
+                    self.finish(seq, FinishReason.ABORT, AbortReason.INVALID_REQUEST,
+                                f"the constraint's index was not built within {self.config.constraint_timeout_s:g}"
+                                " s (--constraint-timeout-s); simplify the regex or schema")
+                else:
+                    still.append(seq)
+                continue
+            try:
+                self.constraints.activate(seq, self.scheduler.token_limit)
+            except InvalidRequestError as exc:
+                self.finish(seq, FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc))
+                continue
+            self.scheduler.add(seq)
+        self.pending = still
+
+    def reset_hit_rate_window(self) -> None:
+        """Achieved and optimal hit rates cover the same window: since start, the last flush, or the last time the
+        optimum's trie reached HIT_RATE_WINDOW_TOKENS tokens."""
+        s = self.scheduler.stats
+        self.distinct = DistinctPrefixCounter()
+        self.window_start = (s.prompt_tokens, s.cached_tokens)
+
+    # --------------------------------------------------------------------------------------- step
+    def step(self) -> Batch | None:
+        """Run one batch and fold its sampled tokens back. With overlap scheduling the next decode step of the same
+        requests is dispatched before this one is read back, and the following call runs that one instead of
+        scheduling."""
+        if self._inflight is not None:
+            return self._absorb_overlapped()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        t0 = time.perf_counter()
+        rows: list[int] = []  # batch positions that made it into the step
+        items = []
+        for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
+            try:
+                items.append(self.outputs.forward_item(seq, chunk, batch.samples(i)))
+                rows.append(i)
+            except Exception:
+                self._fail_one(seq, "preparing its step inputs")
+        results = self._run_isolated(batch, rows, items)
+        self._absorb(batch, rows, results)
+        self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
+        return batch
+
+    def _absorb(self, batch: Batch, rows: list[int], results: list[Any]) -> None:
+        for i, result in zip(rows, results):
+            seq = batch.seqs[i]
+            if result is None:
+                continue  # failed alone: already finished with its own error
+            out, row = result
+            try:
+                publish = self.outputs.absorb(seq, batch.chunks[i], batch.samples(i), out, row)
+            except Exception:
+                self._fail_one(seq, "processing its sampled token")
+                continue
+            if publish:
+                if seq.finished:  # free KV before waking the caller, so "done" implies "released"
+                    self.retire(seq)
+                seq.publish()
+        self.scheduler.after_step(batch)
+
+    def _follow(self, batch: Batch, items: list[ForwardItem], pending: PendingStep) -> Overlapped | None:
+        """Overlap the next decode step behind ``pending`` unless a request waits to be admitted."""
+        if self.pending or self.mailbox.has_news():
+            return None
+        return self.overlap.follow(batch, items, pending, self._dispatch)
+
+    def _absorb_overlapped(self) -> Batch:
+        """Run the overlapped step dispatched by the previous call: first overlap the one after it, then read
+        this one and fold in the rows of requests still running."""
+        t0 = time.perf_counter()
+        current, self._inflight = self._inflight, None
+        batch, pending = current.batch, current.pending
+        self._inflight = self._follow(batch, current.items, pending)
+        try:
+            out = pending.result()
+        except Exception:
+            self._inflight = None  # queued behind the failed step
+            if not self.runner.kv_intact():
+                raise
+            # Nothing of it was folded in: the requests decode this token again through the scheduler.
+            log.warning("an overlapped decode step failed; its requests go on without it", exc_info=True)
+            return batch
+        rows = [i for i in current.rows if not batch.seqs[i].finished]  # finished meanwhile: their row is void
+        self._absorb(batch, rows, [(out, i) for i in rows])
+        self.step_time["decode"] += time.perf_counter() - t0
+        return batch
+
+    def _dispatch(self, seqs: list[Sequence], items: list[Any], is_decode: bool,
+                  after: PendingStep | None = None) -> PendingStep:
+        logprobs = any(s.params.return_logprob for s in seqs)
+        top = max((s.params.top_logprobs_num for s in seqs if s.params.return_logprob), default=0)
+        want_prompt = (not is_decode) and any(s.wants_prompt_logprobs for s in seqs)
+        pending = self.runner.dispatch(items, logprobs=logprobs, top_logprobs=top,
+                                       prompt_top_k=top if want_prompt else -1, after=after)
+        self.forward_passes += 1
+        return pending
+
+    # ---------------------------------------------------------------------------- failure isolation
+    def _run_isolated(self, batch: Batch, rows: list[int], items: list[Any]) -> list[Any]:
+        """The step's output as one (StepOutput, row) per sequence, or None for a sequence whose step failed.
+        When the batched forward fails, each sequence is rerun alone (its K/V writes go to its own slots, so
+        recomputing them is harmless): a failure that follows one request's inputs fails that request only. A
+        failure that consumed the donated KV pools cannot be confined to one request: it is raised and fails
+        every running request. Between dispatching the step and reading it, the next may be overlapped."""
+        if not items:
+            return []
+        seqs = [batch.seqs[i] for i in rows]
+        try:
+            pending = self._dispatch(seqs, items, batch.is_decode)
+            if len(rows) == len(batch.seqs):
+                self._inflight = self._follow(batch, items, pending)
+            out = pending.result()
+            return [(out, row) for row in range(len(items))]
+        except Exception:
+            self._inflight = None  # an overlapped step queued behind this one failed with it
+            if not self.runner.kv_intact():
+                raise
+            if len(items) == 1:  # already alone
+                self._fail_one(seqs[0], "its model step")
+                return [None]
+            log.warning("a batched step of %d requests failed; rerunning each alone", len(items))
+        return [self._forward_alone(seq, item, batch.is_decode) for seq, item in zip(seqs, items)]
+
+    def _forward_alone(self, seq: Sequence, item: Any, is_decode: bool) -> Any:
+        try:
+            return self._dispatch([seq], [item], is_decode).result(), 0
+        except Exception:
+            if not self.runner.kv_intact():
+                raise
+            self._fail_one(seq, "its model step")
+            return None
+
+    def _fail_one(self, seq: Sequence, where: str) -> None:
+        """Finish one request whose own step failed. Its error names an id to find the logged traceback, never the
+        exception text (which may quote request content)."""
+        error_id = log_failure(f"request {seq.rid} failed in {where}")
+        self.finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED,
+                    f"internal error in {where} (error id {error_id})")
+
+    def _fail_all(self, error_id: str) -> None:
+        """A step failed outside any one request: every request in it ends; lost pools are reallocated."""
+        self._inflight = None
+        lost_kv = not self.runner.kv_intact()  # the pools were donated to the failed call
+        if lost_kv:
+            self.runner.reset_kv()
+        message = f"internal error in the engine step (error id {error_id})"
+        for seq in [*self.scheduler.prefilling, *self.scheduler.running, *self._orphans()]:
+            try:
+                self.finish(seq, FinishReason.ABORT, AbortReason.STEP_FAILED, message)
+            except Exception:  # its state is what broke: answer the caller anyway (its KV may leak)
+                log_failure(f"request {seq.rid} could not be released after {error_id}")
+                seq.finish_reason, seq.abort_reason, seq.error = FinishReason.ABORT, AbortReason.STEP_FAILED, message
+                self.mailbox.retire(seq.rid)
+                seq.publish()
+        if lost_kv:  # what the tree points at is gone too
+            self.prefix_cache.evict(self.prefix_cache.total_size())
+
+    def _orphans(self) -> list[Sequence]:
+        """Live requests in no queue: a step that failed midway through moving one (a retraction between `running`
+        and `waiting`) would otherwise leave its caller waiting forever."""
+        untaken, live = self.mailbox.untaken_or_live()
+        queued = {id(s) for s in [*untaken, *self.pending, *self.scheduler.waiting, *self.scheduler.prefilling,
+                                  *self.scheduler.running]}
+        return [s for s in live if id(s) not in queued and s.finish_reason is None]
+
+    # ----------------------------------------------------------------------------------- finishing
+    def finish(self, seq: Sequence, reason: FinishReason, abort_reason: AbortReason | None = None,
+               error: str | None = None) -> None:
+        seq.finish_reason, seq.abort_reason, seq.error = reason, abort_reason, error
+        self.retire(seq)
+        seq.publish()
+
+    def retire(self, seq: Sequence) -> None:
+        """Release a finished request: its KV (to the cache or the allocator), its constraint build, its id."""
+        self.distinct.add_generated(seq.token_ids)  # the cache keeps the output too: later prompts may reuse it
+        self.scheduler.drop(seq)
+        release_constraints([seq])
+        self.mailbox.retire(seq.rid)
+
+
+def release_constraints(seqs: list[Sequence]) -> None:
+    """Let go of index builds nobody waits for any more (the build stops when no request holds it)."""
+    for seq in seqs:
+        future, seq.constraint_ready = seq.constraint_ready, None
+        if future is not None:
+            release_index(future)
+
+
+def log_failure(what: str) -> str:
+    """Log the current exception under a fresh error id, and return the id for the caller's message."""
+    error_id = secrets.token_hex(6)
+    log.exception("%s (error id %s)", what, error_id)
+    return error_id
