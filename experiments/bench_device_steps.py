@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsgl.engine.model_runner import ForwardItem, ModelRunner
+from jsgl.engine.model_runner import ModelRunner
+from jsgl.engine.step_inputs import ForwardItem
 from jsgl.kernels import kv_quant
 from jsgl.model.config import LLAMA3_8B, ModelConfig
 from jsgl.model.llama import param_shapes

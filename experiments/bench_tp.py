@@ -48,7 +48,8 @@ def bench_one(config: Any, np_params: Any, tp: int, args: argparse.Namespace) ->
     import jax.numpy as jnp
     import numpy as np
 
-    from jsgl.engine.model_runner import ForwardItem, ModelRunner
+    from jsgl.engine.model_runner import ModelRunner
+    from jsgl.engine.step_inputs import ForwardItem
 
     span = args.context + args.warmup + args.steps + 1
     num_slots = 1 + args.batch * span

@@ -276,7 +276,8 @@ def test_quant_matmul_matches_float32_kernel(smollm, m):
 def test_kernel_backends_match_xla_in_the_model(smollm, tokenizer):
     """The real model's prompt logprobs and sampled tokens with the kernels (GGUF blocks or float32 panels,
     and the C++ decode attention) equal XLA's dot + native attention, over a prefill and a decode step."""
-    from jsgl.engine.model_runner import ForwardItem, ModelRunner
+    from jsgl.engine.model_runner import ModelRunner
+    from jsgl.engine.step_inputs import ForwardItem
 
     cfg, params, blocks = smollm
     params = jax.tree.map(jnp.asarray, params)

@@ -55,7 +55,7 @@ def _greedy(runner: Any, prompts: list[list[int]]) -> list[list[int]]:
     """Batched greedy decode: one extend step over all prompts, then NEW_TOKENS - 1 decode steps."""
     import numpy as np
 
-    from jsgl.engine.model_runner import ForwardItem
+    from jsgl.engine.step_inputs import ForwardItem
 
     span = max(map(len, prompts)) + NEW_TOKENS
     slots = [np.arange(1 + i * span, 1 + (i + 1) * span, dtype=np.int32) for i in range(len(prompts))]

@@ -17,12 +17,13 @@ from typing import Any
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.mailbox import Mailbox
-from jsgl.engine.model_runner import ForwardItem, ModelRunner, PendingStep
+from jsgl.engine.model_runner import ModelRunner, PendingStep
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import Overlapped, OverlapScheduler
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.step_inputs import ForwardItem
 from jsgl.fsm import release_index
 from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.metrics import DistinctPrefixCounter

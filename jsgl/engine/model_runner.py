@@ -23,10 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.backends import Backends, resolve_backends
-from jsgl.engine.kv_pool import allocate_pool, slot_pages
+from jsgl.engine.kv_pool import allocate_pool
 from jsgl.engine.sampler import argmax, sample, stage_flags
-from jsgl.engine.sampling_params import GREEDY_TEMPERATURE
-from jsgl.engine.step_inputs import StepLayout, new_packed, unpack_forward, unpack_sampling
+from jsgl.engine.step_inputs import ForwardItem, StepLayout, new_packed, pack_step, unpack_forward, unpack_sampling
 from jsgl.kernels.attention import get_attention_backend
 from jsgl.model.config import ModelConfig
 from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
@@ -57,25 +56,6 @@ def token_bucket(n: int) -> int:
     power = bucket(n, 16)
     three_quarters = power * 3 // 4
     return three_quarters if three_quarters > THREE_QUARTER_BUCKETS_FROM and n <= three_quarters else power
-
-
-@dataclasses.dataclass
-class ForwardItem:
-    """One request's share of a step: its new tokens, where they go, and how to sample after them."""
-
-    token_ids: np.ndarray  # new tokens
-    start_pos: int  # position of the first new token
-    slots: np.ndarray  # pool slot of every position [0, start_pos + len(token_ids))
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int = 0
-    step: int = 0
-    bitmask: np.ndarray | None = None
-    logit_bias: np.ndarray | None = None
-    repetition_scale: np.ndarray | None = None  # [V]: divide positive logits by it, multiply negative ones
-    target_ids: np.ndarray | None = None  # next token of each new token, for prompt logprobs
 
 
 @dataclasses.dataclass
@@ -262,36 +242,21 @@ class ModelRunner:
         layout = StepLayout(*self.step_shape(n, sum(q_lens), max(q_lens), max(kv_lens), is_decode), self.page_size)
         if after is not None and (not is_decode or after.layout != layout):
             raise ValueError("a step dispatched after another must be a decode step of the same layout")
-        packed = new_packed(layout, self.config.vocab_size)
-        rows = packed.views(layout)
-        offset = 0
-        for b, (it, m, kv_len) in enumerate(zip(items, q_lens, kv_lens)):
-            sl = slice(offset, offset + m)
-            rows["token_ids"][sl] = it.token_ids
-            rows["positions"][sl] = np.arange(it.start_pos, kv_len)
-            rows["write_slots"][sl] = it.slots[it.start_pos: kv_len]  # padding writes land in reserved slot 0
-            if it.target_ids is not None:
-                rows["target_ids"][sl] = it.target_ids
-            rows["q_start"][b], rows["q_len"][b], rows["kv_lens"][b] = offset, m, kv_len
-            pages = slot_pages(it.slots, kv_len, self.page_size)
-            rows["block_table"][b, :len(pages)] = pages
-            rows["sample_index"][b] = offset + m - 1
-            offset += m
-        if after is not None:
-            rows["previous_row"][:n] = np.arange(n)
-        arrays, plain = self._sampling_rows(items, layout.num_b, rows, top_logprobs, logprobs)
+        step = pack_step(items, layout, self.config.vocab_size, self._neutral, logprobs=logprobs,
+                         top_logprobs=top_logprobs, after_previous=after is not None)
         previous = after.tokens if after is not None else self._neutral("previous_tokens", layout.num_b)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
         signature = (*layout[:4], prompt_k)
         self._count_signature(signature)
-        args = (self.params, self.kv, packed.ints, previous)
+        args = (self.params, self.kv, step.packed.ints, previous)
         compiled = self._executables.get(signature)
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=prompt_k)
-        if not plain:  # queued behind the forward on the device; its tokens replace the forward's zeros
-            out = {**out, **_sample_step(out["logits"], packed.sampling, *arrays, top_logprobs=self.max_top_logprobs)}
-        return PendingStep(out, layout, q_lens, logprobs, top_logprobs, prompt_top_k)
+        if not step.plain_greedy:  # queued behind the forward on the device; its tokens replace the forward's zeros
+            out = {**out, **_sample_step(out["logits"], step.packed.sampling, *step.vocab_rows,
+                                         top_logprobs=self.max_top_logprobs)}
+        return PendingStep(out, layout, step.q_lens, logprobs, top_logprobs, prompt_top_k)
 
     def planned_signatures(self, mode: str, max_running: int, chunk_size: int) -> list[tuple]:
         """The step signatures a configuration produces, for ``precompile(mode)``.
@@ -395,37 +360,3 @@ class ModelRunner:
                 "repetition_scale": lambda: np.ones((num_b, vocab), np.float32),
                 "previous_tokens": lambda: np.zeros(num_b, np.int32)}[kind]())
         return self._defaults[key]
-
-    def _rows(self, items: list[ForwardItem], num_b: int, kind: str, fill: float | int, dtype: Any,
-              width: int) -> tuple[Any, bool]:
-        """[num_b, width] of each item's ``kind`` array (``fill`` where it has none), or the neutral device
-        array when no item has one; and whether any did."""
-        if all(getattr(it, kind) is None for it in items):
-            return self._neutral(kind, num_b), False
-        rows = np.full((num_b, width), fill, dtype)
-        for b, it in enumerate(items):
-            value = getattr(it, kind)
-            if value is not None:
-                rows[b] = value
-        return rows, True
-
-    def _sampling_rows(self, items: list[ForwardItem], num_b: int, rows: dict[str, np.ndarray], top_logprobs: int,
-                       logprobs: bool) -> tuple[tuple[Any, Any, Any], bool]:
-        """Fill the packed sampling rows and stage flags; returns the (bitmask, logit_bias, repetition_scale)
-        arguments, and whether the step is plain greedy (the forward's argmax is its tokens: no sampler call)."""
-        vocab = self.config.vocab_size
-        temperature, top_p, top_k, min_p = rows["temperature"], rows["top_p"], rows["top_k"], rows["min_p"]
-        for b, it in enumerate(items):
-            temperature[b], top_p[b], min_p[b] = it.temperature, it.top_p, it.min_p
-            top_k[b] = vocab if it.top_k < 0 else min(it.top_k, vocab)
-            rows["seeds"][b] = np.uint32(it.seed & 0xFFFFFFFF).view(np.int32)
-            rows["steps"][b] = it.step
-        bitmask, masked = self._rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab // 32))
-        logit_bias, biased = self._rows(items, num_b, "logit_bias", 0.0, np.float32, vocab)
-        repetition_scale, repeated = self._rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab)
-        all_greedy = not (temperature > GREEDY_TEMPERATURE).any()
-        rows["flags"][:] = stage_flags(all_greedy=all_greedy, token_logprobs=logprobs, apply_mask=masked,
-                                       apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
-        plain = all_greedy and not (logprobs or masked or biased or repeated or top_logprobs > 0)
-        rows["argmax"][:] = plain
-        return (bitmask, logit_bias, repetition_scale), plain

@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 
 from jsgl.engine.constrained import ConstraintManager
-from jsgl.engine.model_runner import ForwardItem, StepOutput
+from jsgl.engine.model_runner import StepOutput
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.step_inputs import ForwardItem
 
 
 class OutputProcessor:

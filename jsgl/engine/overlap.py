@@ -15,9 +15,10 @@ from collections.abc import Callable
 import numpy as np
 
 from jsgl.engine.config import EngineConfig
-from jsgl.engine.model_runner import ForwardItem, ModelRunner, PendingStep, bucket
+from jsgl.engine.model_runner import ModelRunner, PendingStep, bucket
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.step_inputs import ForwardItem
 
 log = logging.getLogger("jsgl.engine")
 

@@ -1,4 +1,5 @@
-"""One step's host inputs, packed: the forward's int32 inputs in one array, the sampler's in another.
+"""What one step computes (``ForwardItem`` per request, ``Step`` for the batch), packed in one place
+(``pack_step``): the forward's int32 inputs in one array, the sampler's in another.
 
 Each argument of a jitted call is its own host-to-device transfer (~10-30 us on CPU): at batch 1, the
 seventeen small arrays of a decode step (tokens, slots, positions, metadata, block table, sampling
@@ -9,13 +10,17 @@ travel as their bits (``view``), so one array holds them all. A plain greedy ste
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs
+from jsgl.engine.kv_pool import slot_pages
+from jsgl.engine.sampler import FLAG_NAMES, SamplingInputs, stage_flags
+from jsgl.engine.sampling_params import GREEDY_TEMPERATURE
 from jsgl.kernels.attention import AttentionMetadata
 
 # Per-token int32 rows, per-request int32 rows (the block table follows them, then `argmax`: whether the
@@ -88,6 +93,94 @@ def new_packed(layout: StepLayout, vocab_size: int) -> PackedStep:
     views["top_k"][:] = vocab_size
     views["top_p"][:] = 1.0
     return packed
+
+
+@dataclasses.dataclass
+class ForwardItem:
+    """One request's share of a step: its new tokens, where they go, and how to sample after them."""
+
+    token_ids: np.ndarray  # new tokens
+    start_pos: int  # position of the first new token
+    slots: np.ndarray  # pool slot of every position [0, start_pos + len(token_ids))
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+    bitmask: np.ndarray | None = None
+    logit_bias: np.ndarray | None = None
+    repetition_scale: np.ndarray | None = None  # [V]: divide positive logits by it, multiply negative ones
+    target_ids: np.ndarray | None = None  # next token of each new token, for prompt logprobs
+
+
+class Step(NamedTuple):
+    """What one step computes, packed for the device: the requests' tokens, positions, KV slots and block tables
+    (``packed.ints``), their sampling rows and stage flags (``packed.sampling``), the per-vocabulary rows
+    (``vocab_rows``: FSM bitmask, logit bias, repetition scale: host arrays, or neutral device arrays where no
+    request has one), and whether the forward's argmax is the step's tokens (``plain_greedy``: no sampler)."""
+
+    layout: StepLayout
+    packed: PackedStep
+    vocab_rows: tuple[Any, Any, Any]
+    plain_greedy: bool
+    q_lens: list[int]
+
+
+def pack_step(items: list[ForwardItem], layout: StepLayout, vocab_size: int,
+              neutral: Callable[[str, int], Any], *, logprobs: bool, top_logprobs: int,
+              after_previous: bool) -> Step:
+    """Pack ``items`` into ``layout`` (padding rows keep the neutral values; their writes go to reserved slot 0).
+    ``neutral(kind, num_b)``: the device array of a per-vocabulary row that changes nothing. ``after_previous``:
+    each request's token is the previous step's sampled token in its row (an overlapped decode step)."""
+    packed = new_packed(layout, vocab_size)
+    rows = packed.views(layout)
+    q_lens = [len(it.token_ids) for it in items]
+    offset = 0
+    for b, (it, m) in enumerate(zip(items, q_lens)):
+        kv_len = it.start_pos + m
+        sl = slice(offset, offset + m)
+        rows["token_ids"][sl] = it.token_ids
+        rows["positions"][sl] = np.arange(it.start_pos, kv_len)
+        rows["write_slots"][sl] = it.slots[it.start_pos: kv_len]
+        if it.target_ids is not None:
+            rows["target_ids"][sl] = it.target_ids
+        rows["q_start"][b], rows["q_len"][b], rows["kv_lens"][b] = offset, m, kv_len
+        pages = slot_pages(it.slots, kv_len, layout.page_size)
+        rows["block_table"][b, :len(pages)] = pages
+        rows["sample_index"][b] = offset + m - 1
+        offset += m
+    if after_previous:
+        rows["previous_row"][:len(items)] = np.arange(len(items))
+    for b, it in enumerate(items):
+        rows["temperature"][b], rows["top_p"][b], rows["min_p"][b] = it.temperature, it.top_p, it.min_p
+        rows["top_k"][b] = vocab_size if it.top_k < 0 else min(it.top_k, vocab_size)
+        rows["seeds"][b] = np.uint32(it.seed & 0xFFFFFFFF).view(np.int32)
+        rows["steps"][b] = it.step
+    num_b = layout.num_b
+    bitmask, masked = _vocab_rows(items, num_b, "bitmask", 0xFFFFFFFF, np.uint32, -(-vocab_size // 32), neutral)
+    logit_bias, biased = _vocab_rows(items, num_b, "logit_bias", 0.0, np.float32, vocab_size, neutral)
+    scale, repeated = _vocab_rows(items, num_b, "repetition_scale", 1.0, np.float32, vocab_size, neutral)
+    all_greedy = not (rows["temperature"] > GREEDY_TEMPERATURE).any()
+    rows["flags"][:] = stage_flags(all_greedy=all_greedy, token_logprobs=logprobs, apply_mask=masked,
+                                   apply_bias=biased, apply_repetition=repeated, want_top=top_logprobs > 0)
+    plain = all_greedy and not (logprobs or masked or biased or repeated or top_logprobs > 0)
+    rows["argmax"][:] = plain
+    return Step(layout, packed, (bitmask, logit_bias, scale), plain, q_lens)
+
+
+def _vocab_rows(items: list[ForwardItem], num_b: int, kind: str, fill: float | int, dtype: Any, width: int,
+                neutral: Callable[[str, int], Any]) -> tuple[Any, bool]:
+    """[num_b, width] of each item's ``kind`` array (``fill`` where it has none), or the neutral device array
+    when no item has one; and whether any did."""
+    if all(getattr(it, kind) is None for it in items):
+        return neutral(kind, num_b), False
+    out = np.full((num_b, width), fill, dtype)
+    for b, it in enumerate(items):
+        value = getattr(it, kind)
+        if value is not None:
+            out[b] = value
+    return out, True
 
 
 class ForwardInputs(NamedTuple):
