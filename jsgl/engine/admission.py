@@ -72,7 +72,7 @@ class Admission:
             text = prompt_text(prompt)
             if not text:
                 raise InvalidRequestError("prompt is empty")
-            if len(text) > self.max_prompt_chars:  # before tokenizing: 50 MB once took 48 s to tokenize
+            if len(text) > self.max_prompt_chars:  # checked before tokenizing, which is slow on huge texts
                 raise InvalidRequestError(f"prompt has {len(text)} characters; the context length is "
                                           f"{self.max_context} tokens")
             check_text(text, "prompt")

@@ -117,8 +117,7 @@ class IncrementalDetokenizer:
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string. Only prefixes
         ending in the text's last character can match, so candidates are that character's positions in
-        the stop string (not every prefix length: with 32 stop strings of 256 characters that scan cost
-        ~1 ms per token)."""
+        the stop string (not every prefix length, which is slow with many long stop strings)."""
         last, held = self.text[-1], 0
         for stop in self.stop_strings:
             k = stop.rfind(last, 0, min(len(stop) - 1, len(self.text)))

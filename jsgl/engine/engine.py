@@ -173,9 +173,8 @@ class Engine:
 
     def submit_batch(self, prompts: list, sampling_params: list,
                      request_ids: list[str] | None = None) -> list[RequestHandle]:
-        """Queue several requests atomically: the scheduler sees them in the same step. (Submitted one by one,
-        the first of an HTTP request's 64 MMLU prompts started computing alone while the rest were tokenized:
-        0.7 s more of a 5 s batch.) ``request_ids``: the client's ids, one per prompt."""
+        """Queue several requests atomically: the scheduler sees them in the same step (one by one, the first
+        would start computing alone while the rest are tokenized). ``request_ids``: the client's ids."""
         seqs: list[Sequence] = []
         ids = request_ids if request_ids is not None else [None] * len(prompts)
         try:

@@ -5,9 +5,8 @@ so a steady workload stops compiling after warm-up; ``compiles`` counts distinct
 The KV pools are donated to each step and come back updated in place.
 
 A step is two jitted calls: the forward (per signature; it also takes the greedy tokens when nothing else is
-asked) and the sampler over its logits (per batch bucket alone). The sampler was ~75% of a fused step's compile
-(a step compiled in 1.6-2.0 s with it, ~0.5 s without, on a 2-core AVX2 machine); apart, it compiles once per
-batch bucket for every token count, and a plain greedy step does not call it.
+asked) and the sampler over its logits (per batch bucket alone). The sampler was most of a fused step's compile;
+apart, it compiles once per batch bucket for every token count, and a plain greedy step does not call it.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
 
 
 # An extend step of more than this many tokens is padded to 3/4 of the next power of two when it fits there (384
-# for 257-384 tokens): padded to 512, MMLU's last prefill step of 353 tokens cost as much as a full one (415 vs
-# 347 ms at 384). Only from here up, so each such bucket adds few step signatures (4 at max_running 64).
+# for 257-384 tokens), so a large step pays for less padding; only from here up, so it adds few signatures.
 THREE_QUARTER_BUCKETS_FROM = 256
 
 
@@ -213,8 +211,8 @@ class ModelRunner:
         """The padded (tokens T, requests B, new tokens per request S, attended length L) of a batch.
 
         Decode: B = T over power-of-two request counts. Extend: T over powers of two from 16; B from 8
-        (its rows cost one lm_head product each: padding 9 requests to 16 adds ~1% to a 16-token step, and
-        halves the extend signatures). Length-free attention: S = T and L fixed, so (T, B) is the signature."""
+        (its rows cost one lm_head product each, which is little; it halves the extend signatures). Length-free
+        attention: S = T and L fixed, so (T, B) is the signature."""
         num_b = bucket(num_items) if is_decode else bucket(num_items, 8)
         num_t = num_b if is_decode else token_bucket(total_new)
         if self.length_free and max_len <= self.table_width:
@@ -297,8 +295,8 @@ class ModelRunner:
         if not signatures:
             return
         # The logits' placement is part of jit's dispatch key: the sampler runs on zeros placed as every step's
-        # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it
-        # (~80 ms a batch bucket here, a persistent-cache hit). Its batch buckets: a decode's and an extend's of
+        # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it.
+        # Its batch buckets: a decode's and an extend's of
         # every request count the plan decodes, extends included that a padded-attention plan leaves to first use.
         logits = self._executables[signatures[0]].out_info[1]["logits"]  # shape [B, V], dtype and placement
         counts = {signature[1] for signature in signatures if signature[2] == 1}
@@ -307,10 +305,8 @@ class ModelRunner:
 
     def _run_padding(self, signature: tuple) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
-        pays one-time costs (a batch-1 decode's first 64 steps took ~0.1 s longer). Twice: taking the argmax, then
-        not (the sampler's turn), the second taking the first's tokens as its previous tokens, as an overlapped
-        decode step does: a fresh engine's first such dispatch took ~2.8 ms against ~0.3 later (with both, `bench
-        serve`'s first/later batch-1 decode went from 1.15 to 1.04)."""
+        pays one-time costs. Twice: taking the argmax, then not (the sampler's turn), the second taking the first's
+        tokens as its previous tokens, as an overlapped decode step does (its first dispatch is slow too)."""
         layout = StepLayout(*signature[:4], self.page_size)
         previous = self._neutral("previous_tokens", layout.num_b)
         for greedy in (True, False):

@@ -69,7 +69,7 @@ def unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
 
 def argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, -1)`` (the first maximum) as a max and a min: XLA CPU runs argmax's (value, index)
-    reduction element by element, ~5x slower over a 49k vocabulary (0.22 vs 0.04 ms a row here)."""
+    reduction element by element, several times slower."""
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     first = jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
@@ -95,9 +95,8 @@ def gumbel_noise(keys: jax.Array, width: int) -> jax.Array:
     """[B, width] standard Gumbel noise, element i a hash of (the row's keys, i): counter-based like
     jax.random's threefry, so a row's noise depends on its seed and step alone, never on the batch, the
     bucket or the width (a prefix of a wider draw is the narrower draw). Not threefry: its 20 unrolled rounds
-    cost ~0.45 s of XLA CPU compile per draw (the step holds four draws and the key derivation: ~2 of the
-    ~2.3 s a step compiled in) and 7.5 ms a draw of 8 x 49k, against 0.1 s and 1.7 ms for two finalizer
-    rounds here. The second key word enters after the first round, so rows whose first words differ by a
+    were most of a step's compile time and several times slower to run than two finalizer rounds. The second
+    key word enters after the first round, so rows whose first words differ by a
     small offset do not share shifted noise."""
     index = jax.lax.broadcasted_iota(jnp.uint32, (keys.shape[0], width), 1)
     bits = _mix32(_mix32(index + keys[:, :1]) ^ keys[:, 1:])
@@ -107,9 +106,7 @@ def gumbel_noise(keys: jax.Array, width: int) -> jax.Array:
 
 # Widths of the candidate sets tried before the whole (sorted) vocabulary. A filtered row is sampled exactly
 # from its top-W candidates when the filter drops the last of them: top-k, top-p and min-p each keep a prefix
-# of the sorted order, so nothing past the candidates survives either. On XLA CPU at batch 16 over 49k tokens
-# lax.top_k takes 2.5 ms at 256, 22 ms at 4096 and ~140 ms over the whole vocabulary (the old sampler sorted it
-# twice: ~520 ms a step in the engine, 80% of tree-of-thought's time).
+# of the sorted order, so nothing past the candidates survives either. lax.top_k's cost grows with its width.
 CANDIDATE_WIDTHS = (256, 4096)
 
 
@@ -156,14 +153,14 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
     Returns (tokens [B], logprob of each token under the model's raw distribution [B] (zeros unless
     ``s.token_logprobs``), and the top-k (logprobs, ids) [B, K] of that distribution).
 
-    Each stage sits under its own flag (a branch costs ~0.04 ms on XLA CPU). A plain greedy batch (no mask,
+    Each stage sits under its own flag (a branch costs little on XLA CPU). A plain greedy batch (no mask,
     penalty or logprobs) never gets here: the forward takes its argmax (``model_runner._step``).
     """
     logits = logits.astype(jnp.float32)
     raw = logits  # the model's distribution, before bias and masks
     batch = logits.shape[0]
     adjusting = s.apply_repetition | s.apply_bias | s.apply_mask
-    # Logprobs without writing out [B, V] of them; skipped when nobody asked (0.1-0.3 ms of a decode step).
+    # Logprobs without writing out [B, V] of them; skipped when nobody asked.
     want_normalizer = s.token_logprobs | (s.want_top if s.top_logprobs else False)
     log_normalizer = jax.lax.cond(want_normalizer, lambda r: jax.nn.logsumexp(r, axis=-1),
                                   lambda r: jnp.zeros(batch, jnp.float32), raw)
@@ -193,7 +190,7 @@ def sample(logits: jax.Array, s: SamplingInputs) -> tuple[jax.Array, jax.Array, 
         def zeros(y: jax.Array) -> jax.Array:
             return jnp.zeros(y.shape[0], jnp.int32)
 
-        # Each kind of row pays only when present: the full-vocabulary noise is ~8 ms at batch 16 here.
+        # Each kind of row pays only when present: the full-vocabulary noise is costly.
         plain = jax.lax.cond(jnp.any(sampling & ~filtered), unfiltered, zeros, scaled)
         chosen = jax.lax.cond(jnp.any(filtered), lambda y: _sample_filtered(y, keys, s, filtered), zeros, scaled)
         return jnp.where(sampling, jnp.where(filtered, chosen, plain), greedy_tokens)

@@ -20,10 +20,8 @@ from jsgl.engine.sequence import Sequence
 from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.no_cache import NoPrefixCache
 
-# Shared uncached tokens that make a request wait one step for the tree. At 32, the LLM judge's four forks (9
-# shared tokens past their cached essay) and its 30 programs' common instruction (19) were computed in the same
-# batch again and again: its hit rate stayed at 61.8% of an optimal 66.7%. At 8 it reaches 66.7%, throughput
-# +9% (one run each; MMLU, skeleton-of-thought and ReAct unchanged within noise).
+# Shared uncached tokens that make a request wait one step for the tree: small enough that short shared parts
+# (the LLM judge's forks) are computed once.
 IN_BATCH_PREFIX_MIN = 8
 MAX_DEFERRED_SCAN = 64
 # A deferred request fills a step's leftover budget when it shares at most 1/FILL_SHARED_RATIO of its new tokens

@@ -1,11 +1,9 @@
 """What one step computes (``ForwardItem`` per request, ``Step`` for the batch), packed in one place
 (``pack_step``): the forward's int32 inputs in one array, the sampler's in another.
 
-Each argument of a jitted call is its own host-to-device transfer (~10-30 us on CPU): at batch 1, the
-seventeen small arrays of a decode step (tokens, slots, positions, metadata, block table, sampling
-parameters, stage flags) cost ~1 ms of a ~8 ms step. Packed, they are two: the forward's (unpacked with
-static slices: the layout is part of the step's signature anyway) and the sampler's, whose float rows
-travel as their bits (``view``), so one array holds them all. A plain greedy step uploads only the first.
+Each argument of a jitted call is its own host-to-device transfer, so a step's seventeen small arrays travel as
+two: the forward's (unpacked with static slices: the layout is part of the step's signature anyway) and the
+sampler's, whose float rows travel as their bits (``view``). A plain greedy step uploads only the first.
 """
 
 from __future__ import annotations
