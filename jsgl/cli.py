@@ -10,9 +10,61 @@ from typing import Any
 from jsgl.engine.config import EngineConfig
 from jsgl.server.limits import ServerLimits
 
+# One help line per EngineConfig field: what it sets, in which unit. A default that is a plain value is appended
+# by add_engine_args; where None means "the platform decides", the text says what decides.
+ENGINE_HELP = {
+    "model": "the model: an alias (smollm2-135m), a .gguf file, or a Hugging Face folder (config.json and "
+             "*.safetensors)",
+    "device": "where the engine runs: auto is JAX's default backend; cpu, gpu or tpu must be there, else an error",
+    "kv_cache_gb": "KV cache size in GiB: K and V of all layers, in the KV dtype (default: {cpu_kv_gb:g} on CPU, "
+                   "from --mem-fraction on a GPU/TPU)",
+    "num_kv_slots": "KV cache size in token slots; overrides --kv-cache-gb (default: from --kv-cache-gb or "
+                    "--mem-fraction)",
+    "mem_fraction": "fraction of the device's memory for weights + KV cache (SGLang's --mem-fraction-static); the "
+                    "KV cache gets what weights and activations leave (default: {mem_fraction:g} on a GPU/TPU "
+                    "unless --kv-cache-gb or --num-kv-slots is given; unused on CPU, whose pool is --kv-cache-gb)",
+    "page_size": "KV cache page size in tokens (default: 1 on CPU, {page_size} on a GPU/TPU)",
+    "max_running_requests": "most requests running at once (batch size of a decode step)",
+    "chunked_prefill_size": "most new prompt tokens per prefill (extend) step, in tokens; at least 16",
+    "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
+    "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), cpu (C++ kernel); auto: pallas on a "
+                         "GPU, cpu on a CPU that builds the kernels (float32, --tp 1), else native",
+    "dtype": "dtype of weights and activations (matmuls accumulate in float32); auto: float32 on CPU, bfloat16 on "
+             "a GPU/TPU",
+    "kv_dtype": "KV cache dtype; int8: 8-bit values with a scale per token and head; auto: --dtype's",
+    "matmul_backend": "matmul kernels: xla (XLA's dot), packed (float32 panels), gguf (the GGUF file's Q4_1/Q8_0 "
+                      "blocks); auto: gguf on a CPU that builds the kernels (float32, --tp 1), else xla",
+    "attention_budget_gb": "bound on an extend step's padded attention scores, in GiB",
+    "prefix_cache": "prefix cache: radix (the radix tree), flat (no tree, an ablation), none (no reuse)",
+    "cache_match_fraction": "use only this fraction of each radix prefix match, in [0, 1] (the rest is "
+                            "recomputed; sets a hit rate, Fig. 8(a)(b)); 1: the whole match",
+    "schedule_policy": "order of the waiting queue: lpm (longest cached prefix first), dfs-weight (the paper's DFS "
+                       "order), fcfs, lof (longest max_new_tokens first), random",
+    "starvation_s": "a request waiting longer than this many seconds is admitted first",
+    "jump_forward": "compressed-FSM jump-forward for regex and JSON-schema requests",
+    "grammar_backend": "constrained decoding: jsgl (compressed FSM: regex, JSON schema, jump-forward) or "
+                       "llguidance (also EBNF grammars)",
+    "precompile": "compile the step shapes at start: off, common (decode and extend buckets), all (also "
+                  "prompt-logprob extends)",
+    "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
+                        "(on CPU only for small decode batches)",
+    "seed": "seed of the sampling seeds drawn for requests that bring none",
+    "tp": "tensor-parallel degree, in local devices",
+    "weights_cache": "save the weights as placed (dtype, tp shards) as an orbax checkpoint and restore them on the "
+                     "next start: auto (GGUF models only), orbax (also HF folders), off",
+    "max_top_logprobs": "most top logprobs per token a request may ask for (top_logprobs_num)",
+    "max_stop_sequences": "most stop strings per request",
+    "max_stop_chars": "longest stop string, in characters",
+    "constraint_timeout_s": "seconds a regex/schema index may take to build before its request fails (400)",
+}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--kv-cache-gb``, ``--prefix-cache``, ``--schedule-policy`` ...)."""
+    from jsgl.engine.platform import ACCELERATOR_MEM_FRACTION, ACCELERATOR_PAGE_SIZE, CPU_KV_CACHE_GB
+
+    platform = {"cpu_kv_gb": CPU_KV_CACHE_GB, "mem_fraction": ACCELERATOR_MEM_FRACTION,
+                "page_size": ACCELERATOR_PAGE_SIZE}
     choices = {
         "device": ["auto", "cpu", "gpu", "tpu"],
         "prefix_cache": ["radix", "flat", "none"],
@@ -27,12 +79,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     }
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
+        help_text = ENGINE_HELP.get(field.name, "").format(**platform)  # tests/test_cli.py: none may lack one
         if field.type in ("bool", bool):
+            if help_text and "default:" not in help_text:
+                help_text += f" (default: {'on' if field.default else 'off'})"
             parser.add_argument(flag, type=lambda v: v.lower() in ("1", "on", "true", "yes"),
-                                default=field.default, metavar="on|off")
+                                default=field.default, metavar="on|off", help=help_text)
         else:
+            if help_text and "default:" not in help_text:
+                help_text += " (default: %(default)s)"  # argparse fills it in (serve's set_defaults included)
             kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
-            parser.add_argument(flag, type=kind, default=field.default, choices=choices.get(field.name))
+            parser.add_argument(flag, type=kind, default=field.default, choices=choices.get(field.name),
+                                help=help_text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -45,12 +103,19 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed-sample", type=int, default=None, help="seed of this request's sampling")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0: greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass; 1: off "
+                        "(default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="keep only the k most likely tokens; -1: off (default: %(default)s)")
+    p.add_argument("--seed-sample", type=int, default=None,
+                   help="seed of this request's sampling (default: drawn from the engine's --seed)")
+    p.add_argument("--stop", action="append",
+                   help="stop string; repeat the flag for several (default: none)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -142,6 +207,11 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     import importlib
     import importlib.util
 
+    if args.help:  # with a benchmark (or config) named, its own parser prints its flags
+        if not (args.which or args.config):
+            args.print_help()
+            return 0
+        rest = [*rest, "--help"]
     if args.config:  # an ablation grid from a file (experiments/configs/*.toml)
         if args.which:
             raise SystemExit("jsgl bench: give a benchmark name or --config FILE, not both")
@@ -158,43 +228,67 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jsgl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt (streams to stdout)")
-    gen.add_argument("prompt")
-    gen.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(prog="jsgl", description=__doc__,
+                                     epilog="jsgl COMMAND --help lists a command's flags with their defaults.")
+    # Each command's help fits on one line of `jsgl --help` (tests/test_cli.py).
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="continue a prompt, streamed to stdout",
+                         description="Continue a prompt with the model, streamed to stdout.")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("-v", "--verbose", action="store_true",
+                     help="print the output's meta info and the engine's stats to stderr (default: off)")
     _add_sampling_args(gen)
     add_engine_args(gen)
-    chat = sub.add_parser("chat", help="chat with the model using its chat template")
-    chat.add_argument("--system", default=None)
+    chat = sub.add_parser("chat", help="chat with the model in its chat template",
+                          description="Chat with the model in its chat template; an empty line is skipped, EOF ends.")
+    chat.add_argument("--system", default=None, help="system message (default: none)")
     _add_sampling_args(chat)
     add_engine_args(chat)
-    serve = sub.add_parser("serve", help="HTTP server: SGLang /generate and the OpenAI API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--admin-key", default=None, help="key for abort_all and /flush_cache")
+    serve = sub.add_parser("serve", help="HTTP server: SGLang's /generate and the OpenAI API",
+                           description="HTTP server: SGLang's /generate and the OpenAI API (/v1/*).")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=30000, help="port to listen on (default: %(default)s)")
+    serve.add_argument("--api-key", default=None,
+                       help="key clients send as 'Authorization: Bearer KEY' (default: none, no key asked)")
+    serve.add_argument("--admin-key", default=None,
+                       help="key for abort_all and /flush_cache (default: none: anyone without --api-key, "
+                            "nobody with it)")
     limits = ServerLimits()
-    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes)
+    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                       help="largest request body, in bytes (413 beyond) (default: %(default)s)")
     serve.add_argument("--max-batch-prompts", type=int, default=limits.max_batch_prompts,
-                       help="prompts (times n) per HTTP request")
+                       help="prompts (times n) per HTTP request (default: %(default)s)")
     serve.add_argument("--max-concurrent-requests", type=int, default=limits.max_concurrent_requests,
-                       help="live requests over all clients (503 beyond)")
-    serve.add_argument("--timeout-keep-alive", type=int, default=5, help="uvicorn: idle keep-alive seconds")
-    serve.add_argument("--limit-concurrency", type=int, default=None, help="uvicorn: open connections (503 beyond)")
+                       help="live requests over all clients (503 beyond) (default: %(default)s)")
+    serve.add_argument("--timeout-keep-alive", type=int, default=5,
+                       help="uvicorn: seconds an idle keep-alive connection stays open (default: %(default)s)")
+    serve.add_argument("--limit-concurrency", type=int, default=None,
+                       help="uvicorn: most open connections (503 beyond) (default: no limit)")
     add_engine_args(serve)
     serve.add_argument("--dry-run", action="store_true",
-                       help="print the memory plan (weights, activations, KV slots per device) and exit")
+                       help="print the memory plan (weights, activations, KV slots per device) and exit "
+                            "(default: off)")
     serve.add_argument("--device-gb", type=float, default=None,
-                       help="with --dry-run: plan for a device of this many GiB (e.g. 80 for an H100) instead of "
-                            "this machine's")
+                       help="with --dry-run: plan for a device of this many GiB (e.g. 80 for an H100) "
+                            "(default: this machine's device)")
     serve.set_defaults(precompile="common")  # a server pays its compiles at start, not on users' first requests
-    sub.add_parser("figures", help="run the paper's evaluation: one PNG per figure and results.md "
-                                   "(experiments/figures.py; its args pass through)", add_help=False)
-    bench = sub.add_parser("bench", help="run a benchmark from experiments/ (extra args pass through)")
-    bench.add_argument("which", nargs="?", help="e.g. decode, radix, json, server, workloads")
-    bench.add_argument("--config", default=None,
-                       help="run an ablation config instead (experiments/configs/*.toml; a path or a file name there)")
+    sub.add_parser("figures", help="the paper's figures: PNGs and results.md",
+                   description="Run the paper's evaluation: one PNG per figure and results.md "
+                               "(experiments/figures.py; its flags pass through: jsgl figures --help).",
+                   add_help=False)
+    # -h is ours: with a benchmark named, it passes through to the benchmark's own parser.
+    bench = sub.add_parser("bench", help="run a benchmark from experiments/", add_help=False,
+                           description="Run a benchmark from experiments/ (bench_NAME.py): the flags after NAME "
+                                       "are the benchmark's own (jsgl bench NAME --help).")
+    bench.add_argument("-h", "--help", action="store_true",
+                       help="show this help, or with NAME the benchmark's flags, and exit (default: off)")
+    bench.add_argument("which", nargs="?", metavar="NAME",
+                       help="the benchmark, e.g. decode, radix, json, server, workloads, soak (default: none; "
+                            "then --config)")
+    bench.add_argument("--config", default=None, metavar="FILE",
+                       help="run an ablation config instead: a path or a file name in experiments/configs/*.toml "
+                            "(default: none)")
+    bench.set_defaults(print_help=bench.print_help)
     return parser
 
 

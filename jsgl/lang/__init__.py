@@ -10,7 +10,7 @@
 
 Multimodal inputs (`image`, `video`) raise NotImplementedError: jsgl serves text-only models. Of the
 backend names SGLang exports, `Anthropic`, `LiteLLM`, `VertexAI` and `ServerArgs` exist but raise
-`LeftOutError` saying why (README: "SGLang names jsgl leaves out").
+`LeftOutError` saying why (docs/sglang-compat.md, "The frontend language").
 """
 
 from jsgl.lang.api import (

@@ -1,7 +1,7 @@
 """The rest of the backend names SGLang exports: Crusoe (an OpenAI-compatible API, so jsgl's OpenAI
 backend serves it) and the names jsgl leaves out, which raise an error saying why when used.
 
-Left out (see README, "SGLang names jsgl leaves out"): Anthropic, LiteLLM and VertexAI (clients of
+Left out (see docs/sglang-compat.md, "The frontend language"): Anthropic, LiteLLM and VertexAI (clients of
 other vendors' APIs, wrapping SDKs jsgl does not depend on) and ServerArgs (SGLang's server
 configuration; jsgl's is `EngineConfig` plus `jsgl serve` flags). `image`/`video` are in api.py.
 """
