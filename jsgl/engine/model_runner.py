@@ -151,7 +151,6 @@ class ModelRunner:
         # Resolved by the engine (it loads the weights by them), or here for a runner built directly.
         self.backends = backends or resolve_backends(attention_backend, matmul_backend, tp=tp, kv_dtype=kv_dtype,
                                                      page_size=page_size)
-        self.attention_backend, self.matmul_backend = self.backends.attention, self.backends.matmul
         if self.attention_backend == "cpu" and config.layer_windows:  # not silent: the kernels mask no window
             log.info("attention: the CPU kernels have no sliding window; layers %s (window %d) attend through "
                      "the native path", [i for i, w in enumerate(config.layer_windows) if w],
@@ -187,6 +186,14 @@ class ModelRunner:
                               tp=self.tp),
             static_argnames=("layout", "prompt_top_k"), donate_argnums=(1,),
         )
+
+    @property
+    def attention_backend(self) -> str:
+        return self.backends.attention
+
+    @property
+    def matmul_backend(self) -> str:
+        return self.backends.matmul
 
     def kv_intact(self) -> bool:
         """False when a failed step consumed the donated pools (an error while the step executed, not
