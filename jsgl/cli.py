@@ -26,6 +26,10 @@ ENGINE_HELP = {
     "page_size": "KV cache page size in tokens (default: 1 on CPU, {page_size} on a GPU/TPU)",
     "max_running_requests": "most requests running at once (batch size of a decode step)",
     "chunked_prefill_size": "most new prompt tokens per prefill (extend) step, in tokens; at least 16",
+    "prefill_share": "while requests decode, the most of the engine's time prefill steps take, in (0, 1]; a "
+                     "prompt's chunks shrink as its context grows (1: prefill and decode steps alternate)",
+    "mixed_prefill_tokens": "mixed steps: while requests decode, each step also carries at most this many prefill "
+                            "tokens (fewer at long context); 0: off",
     "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
     "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), cpu (C++ kernel); auto: pallas on a "
                          "GPU, cpu on a CPU that builds the kernels (float32, --tp 1), else native",

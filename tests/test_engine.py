@@ -174,6 +174,26 @@ def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
         paged.shutdown()
 
 
+def test_mixed_steps_give_the_same_outputs(engine):
+    """Decodes that share their steps with a long prompt's chunks (mixed steps) sample what they sample alone."""
+    long_prompt = " ".join(PROMPTS * 20)  # ~1500 tokens
+    long_params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    expected = [engine.generate(PROMPTS[0], long_params).token_ids, engine.generate(long_prompt, GREEDY).token_ids,
+                *(o.token_ids for o in engine.generate(PROMPTS[1:], GREEDY))]
+    mixed = Engine(model="smollm2-135m", num_kv_slots=4096, mixed_prefill_tokens=32)
+    try:
+        first = mixed.submit(PROMPTS[0], long_params)
+        stream = first.stream()
+        while len(next(stream).token_ids) < 2:
+            pass
+        rest = [mixed.submit(long_prompt, GREEDY), *(mixed.submit(p, GREEDY) for p in PROMPTS[1:])]
+        assert [h.result(timeout=300).token_ids for h in (first, *rest)] == expected
+        assert mixed.stats()["mixed_steps"] > 0
+        assert_no_leak(mixed)
+    finally:
+        mixed.shutdown()
+
+
 def test_submit_batch_takes_the_clients_ids_all_or_nothing(engine):
     handles = engine.submit_batch(PROMPTS[:2], [GREEDY] * 2, request_ids=["batch-a", "batch-b"])
     assert [h.request_id for h in handles] == ["batch-a", "batch-b"]

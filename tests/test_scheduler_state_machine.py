@@ -64,7 +64,7 @@ REQUIRED = (
     "readmit_after_retraction", "evict_on_alloc", "jump_forward", "extend_over_running", "decode_step",
     "forced_start", "finish_length", "finish_stop", "finish_prefill_only", "abort_waiting", "abort_prefilling",
     "abort_running", "step_failed_one", "step_failed_in_absorb", "step_failed_all", "step_failed_all_lost_kv",
-    "flush", "drained",
+    "flush", "drained", "fair_share", "fair_mixed", "stalled_extend", "mixed_step", "repaid_decode",
 )
 
 
@@ -121,10 +121,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         attention_budget=st.sampled_from([1 << 40, 1 << 13, 1 << 15, 1 << 17]),  # 1 << 13: one request per extend
         policy=st.sampled_from([None, "lpm", "dfs-weight", "fcfs", "lof", "random"]),
         bases=st.lists(st.binary(min_size=24, max_size=120), min_size=1, max_size=3),
+        # The prefill policy beside running requests: alternate steps (share 1), a time share (0.5), or mixed steps
+        # (with ragged attention, as the engine enables them only there).
+        fairness=st.sampled_from(["alternate", "share", "mixed"]),
     )
     def setup(self, cache_kind: str, page: int, capacity: int, chunk_size: int, max_running: int,
-              attention_budget: int, policy: str | None, bases: list[bytes]) -> None:
+              attention_budget: int, policy: str | None, bases: list[bytes], fairness: str = "alternate") -> None:
         count(f"cache_{cache_kind}")
+        count(f"fair_{fairness}")
         count(f"page_{page}")
         self.page = page
         self.alloc = SlotAllocator(capacity + page, page)  # capacity usable slots plus the reserved page
@@ -147,7 +151,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         self.sched = Scheduler(
             self.alloc, passed, max_running=max_running, chunk_size=chunk_size, max_context=MAX_CONTEXT,
-            attention_budget_bytes=attention_budget, attention_bytes=attention_bytes, order_waiting=order)
+            attention_budget_bytes=attention_budget, attention_bytes=attention_bytes, order_waiting=order,
+            prefill_share=0.5 if fairness == "share" else 1.0, keys_per_token=32.0,
+            mixed_prefill_tokens=chunk_size // 4 if fairness == "mixed" else 0, padded_attention=fairness != "mixed")
+        self.step_seconds = random.Random(capacity + chunk_size)  # the fake forward's time, for the time share
         # Observe (never change) the in-batch deferral decision and retractions.
         shares, retract = self.sched._shared_uncached, self.sched.retract
 
@@ -317,8 +324,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             return None
         assert len(set(batch.seqs)) == len(batch.seqs), "a sequence twice in one batch"
         assert all(c > 0 for c in batch.chunks), f"empty chunk in {batch.chunks}"
-        if not set(batch.seqs) <= running_before:  # an extend step proper: within the token budget
-            assert sum(batch.chunks) <= self.sched.chunk_size, batch.chunks
+        if not set(batch.seqs) <= running_before:  # an extend step proper (or a mixed one): within the token budget
+            assert sum(c for s, c in zip(batch.seqs, batch.chunks) if s not in running_before) \
+                <= self.sched.chunk_size, batch.chunks
+            if batch.stalled:
+                count("stalled_extend")
+            if running_before & set(batch.seqs) and self.sched.mixed_prefill_tokens:
+                count("mixed_step")
+        elif batch.is_decode and self.sched._prefill_debt > 0:
+            count("repaid_decode")
         self._count_batch(batch, waiting_before)
         failed = None if fail_pick is None else batch.seqs[fail_pick % len(batch.seqs)]
         if failed is not None and not fail_in_absorb:  # forward_item or its own forward failed: before any absorb
@@ -334,6 +348,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self._absorb(seq, chunk, batch.samples(i)) and seq.finished:
                 self._retire(seq)  # free KV before publishing, as EngineLoop.step does
         self.sched.after_step(batch)
+        self.sched.account(batch, self.step_seconds.uniform(0.01, 1.0))
         return batch
 
     def _count_batch(self, batch: Batch, waiting_before: set[Sequence]) -> None:
@@ -556,6 +571,18 @@ def test_jump_forward_at_end_of_prefill_deadlocks(cache_kind: str) -> None:
     assert a in machine.sched.running and (a.num_computed, a.num_tokens) == (40, 43)
     assert b in machine.sched.prefilling and (b.num_computed, len(a.slots) + len(b.slots)) == (24, 64)
     _drain(machine, 200)
+
+
+@pytest.mark.parametrize("cache_kind", ["radix", "flat", "none", "null"])
+def test_two_half_done_prefills_that_the_pool_cannot_both_hold(cache_kind: str) -> None:
+    machine = SchedulerMachine()
+    machine.setup(cache_kind=cache_kind, page=1, capacity=64, chunk_size=32, max_running=2, attention_budget=1 << 40,
+                  policy=None, bases=[bytes(33)], fairness="share")
+    # Two 33-token siblings with 17 new tokens each: retractions while they decode leave both half prefilled
+    # (26 + 17 of 64 slots, 22 and 32 to go). The bug: neither could grow and prefilling requests were never
+    # retracted. Now the newer one gives its slots back to the older.
+    machine.add_siblings(base=0, cut=33, max_new=17, suffixes=[b"", b""])
+    _drain(machine, 600)
 
 
 @pytest.mark.parametrize("cache_kind", ["radix", "flat", "none", "null"])

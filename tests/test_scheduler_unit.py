@@ -38,14 +38,14 @@ class CharTokenizer:
 
 
 def make(capacity=64, page=1, cache="radix", chunk_size=32, max_running=8, budget=1 << 40, attention_bytes=None,
-         order=None, padded=True, max_context=4096, match_fraction=1.0):
+         order=None, padded=True, max_context=4096, match_fraction=1.0, **policy):
     alloc = SlotAllocator(capacity + page, page)
     prefix = {"radix": lambda: RadixCache(page, free_slots=alloc.free), "none": lambda: NoPrefixCache(page),
               "null": lambda: None}[cache]()
     extra = {} if padded else {"padded_attention": False}  # padded attention is the default
     sched = Scheduler(alloc, prefix, max_running=max_running, chunk_size=chunk_size, max_context=max_context,
                       attention_budget_bytes=budget, attention_bytes=attention_bytes or (lambda *a: 0),
-                      order_waiting=order, match_fraction=match_fraction, **extra)
+                      order_waiting=order, match_fraction=match_fraction, **extra, **policy)
     return sched, alloc
 
 
@@ -780,3 +780,96 @@ def test_grow_and_alloc_edge_cases():
     assert sched.grow(a, 5) and len(a.slots) == 5 and alloc.num_free() == 11
     assert sched.grow(a, 3) and len(a.slots) == 5
     assert not sched.grow(a, 17) and len(a.slots) == 5 and alloc.num_free() == 11
+
+
+# ---------------------------------------------------------------- fairness (a long prompt beside decodes)
+def test_prefill_share_owes_running_requests_decode_time():
+    sched, _ = make(chunk_size=16, cache="none", prefill_share=0.5, keys_per_token=16)
+    a = seq(range(4), max_new=20, rid="a")
+    sched.add(a)
+    assert shape(step(sched)) == (False, ["a"], [4], [True])
+    sched.add(seq(range(100, 200), rid="p"))
+    assert step(sched).is_decode  # never two extend steps in a row while a decodes
+    batch = step(sched)
+    assert shape(batch)[:3] == (False, ["p"], [16]) and batch.stalled
+    sched.account(batch, 1.0)  # a waited 1 s: at a share of 0.5 it is owed 1 s of decoding
+    for seconds in (0.25, 0.75):
+        batch = step(sched)
+        assert batch.is_decode and not batch.stalled
+        sched.account(batch, seconds)
+    # Paid back: p's prefill goes on, its chunk shrunk to what 16 tokens at no context cost at 16 keys: 8.
+    assert shape(step(sched))[:3] == (False, ["p"], [8])
+
+
+def test_a_share_of_a_quarter_owes_three_times_the_prefill_step():
+    sched, _ = make(chunk_size=16, cache="none", prefill_share=0.25, keys_per_token=16)
+    sched.add(seq(range(4), max_new=20, rid="a"))
+    step(sched)
+    sched.add(seq(range(100, 200), rid="p"))
+    step(sched)
+    sched.account(step(sched), 1.0)
+    decodes = 0
+    while (batch := step(sched)).is_decode:
+        sched.account(batch, 0.5)
+        decodes += 1
+    assert decodes == 6
+
+
+def test_without_a_share_extend_and_decode_alternate_with_whole_chunks():
+    sched, _ = make(chunk_size=16, cache="none", keys_per_token=16)  # prefill_share 1 (the Scheduler's default)
+    sched.add(seq(range(4), max_new=20, rid="a"))
+    step(sched)
+    sched.add(seq(range(100, 200), rid="p"))
+    kinds = []
+    for _ in range(6):
+        batch = step(sched)
+        sched.account(batch, 1.0)
+        kinds.append("d" if batch.is_decode else batch.chunks[0])
+    assert kinds == ["d", 16, "d", 16, "d", 16]
+
+
+def test_an_arrival_gets_half_the_budget_beside_a_prefill_under_way():
+    sched, _ = make(capacity=400, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
+    p = seq(range(200), rid="p")
+    sched.add(p)
+    assert [step(sched).chunks for _ in range(2)] == [[32], [32]]  # alone, nothing shrinks
+    sched.add(seq(range(1000, 1008), max_new=4, rid="v"))
+    # p may take 16 token-equivalents; at 64 keys a token costs 1 + 64/32 = 3 of them: 5 tokens (15). v gets the
+    # 17 left and needs 8.
+    assert shape(step(sched)) == (False, ["p", "v"], [5, 8], [False, True])
+    assert step(sched).is_decode
+    # Beside v's decodes, p's chunk is what 32 tokens at no context cost at 69 keys: 10.
+    assert shape(step(sched))[:3] == (False, ["p"], [10])
+
+
+def test_a_prefill_gets_the_budget_back_when_no_arrival_could_be_admitted():
+    sched, _ = make(capacity=75, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
+    p = seq(range(100), rid="p")
+    sched.add(p)
+    step(sched), step(sched)
+    w = seq(range(1000, 1030), rid="w")
+    sched.add(w)
+    # p takes 5 (cost 15); w's 17 tokens do not fit the 6 free slots, so p tops up with what 17 buys at 69 keys: 5.
+    assert shape(step(sched))[:3] == (False, ["p"], [10])
+    assert sched.waiting == [w] and len(p.slots) == 74
+
+
+def test_mixed_steps_carry_every_decode_and_a_shrinking_prefill():
+    sched, _ = make(chunk_size=32, cache="none", padded=False, mixed_prefill_tokens=8, keys_per_token=16)
+    a = seq(range(4), max_new=20, rid="a")
+    sched.add(a)
+    step(sched)
+    sched.add(seq(range(100, 200), rid="p"))
+    assert shape(step(sched)) == (False, ["a", "p"], [1, 8], [True, False])
+    assert shape(step(sched)) == (False, ["a", "p"], [1, 5], [True, False])  # 8 / (1 + 8/16)
+    assert shape(step(sched)) == (False, ["a", "p"], [1, 4], [True, False])  # 8 / (1 + 13/16)
+    assert sched.stats.mixed_steps == 3 and sched.stats.computed_prefill_tokens == 4 + 17
+    assert len(a.output_ids) == 4
+
+
+def test_mixed_steps_need_ragged_attention():
+    sched, _ = make(chunk_size=32, cache="none", mixed_prefill_tokens=8, keys_per_token=16)  # padded attention
+    sched.add(seq(range(4), max_new=20, rid="a"))
+    step(sched)
+    sched.add(seq(range(100, 200), rid="p"))
+    assert step(sched).is_decode and shape(step(sched))[:3] == (False, ["p"], [32])

@@ -21,6 +21,13 @@ class EngineConfig:
     page_size: int | None = None  # None: 1 on CPU (token-granular, as in the paper), 16 on a GPU/TPU
     max_running_requests: int = 64
     chunked_prefill_size: int = 512  # new prompt tokens per extend step
+    # While requests decode, prefill steps (whose chunks shrink as a prompt's context grows) take at most this
+    # share of the engine's time: a long prompt cannot stall them. 1: prefill and decode steps alternate.
+    prefill_share: float = 0.5
+    # Mixed steps: while requests decode, each step carries their tokens and at most this much prefill (in tokens
+    # at short context, fewer as a prompt's context grows). 0: off (on CPU a small prefill share costs throughput:
+    # docs/performance.md).
+    mixed_prefill_tokens: int = 0
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | cpu
     # Weights and activations (matmuls accumulate in float32), and the KV pool: auto = float32 on CPU,
@@ -72,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
         if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
             raise ValueError("cache_match_fraction < 1 needs prefix_cache radix")
+        if self.mixed_prefill_tokens < 0 or not 0 < self.prefill_share <= 1:
+            raise ValueError("mixed_prefill_tokens >= 0 (0: no mixed steps), 0 < prefill_share <= 1")
         if (self.page_size is not None and self.page_size < 1) or self.max_running_requests < 1 \
                 or self.chunked_prefill_size < 16:
             raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")

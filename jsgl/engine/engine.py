@@ -108,7 +108,9 @@ class Engine:
             chunk_size=cfg.chunked_prefill_size, max_context=self.max_context,
             attention_budget_bytes=int(cfg.attention_budget_gb * (1 << 30)),
             attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
-            padded_attention=not self.runner.length_free, match_fraction=cfg.cache_match_fraction)
+            padded_attention=not self.runner.length_free, match_fraction=cfg.cache_match_fraction,
+            mixed_prefill_tokens=cfg.mixed_prefill_tokens, keys_per_token=self.runner.keys_per_token(),
+            prefill_share=cfg.prefill_share)
         self._rng = random.Random(cfg.seed)
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              cfg.jump_forward, cfg.grammar_backend)
@@ -264,7 +266,7 @@ class Engine:
             "jump_forward_tokens": self.constraints.jumped_tokens, "steps": s.steps, "extend_steps": s.extend_steps,
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
-            "retractions": s.retractions, "compiles": self.runner.compiles,
+            "retractions": s.retractions, "mixed_steps": s.mixed_steps, "compiles": self.runner.compiles,
             **self.platform_report, "amx_prefill": self.amx_prefill,
             "cpu_vector_isa": cpu_kernels.vector_isa() if self.runner.matmul_backend != "xla" else None,
             "unplanned_compiles": self.runner.unplanned_compiles,

@@ -153,7 +153,9 @@ class EngineLoop:
                 self._fail_one(seq, "preparing its step inputs")
         results = self._run_isolated(batch, rows, items)
         self._absorb(batch, rows, results)
-        self.step_time["decode" if batch.is_decode else "extend"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.step_time["decode" if batch.is_decode else "extend"] += seconds
+        self.scheduler.account(batch, seconds)
         return batch
 
     def _absorb(self, batch: Batch, rows: list[int], results: list[Any]) -> None:
@@ -197,7 +199,9 @@ class EngineLoop:
             return batch
         rows = [i for i in current.rows if not batch.seqs[i].finished]  # finished meanwhile: their row is void
         self._absorb(batch, rows, [(out, i) for i in rows])
-        self.step_time["decode"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.step_time["decode"] += seconds
+        self.scheduler.account(batch, seconds)
         return batch
 
     def _dispatch(self, seqs: list[Sequence], items: list[Any], is_decode: bool,

@@ -213,6 +213,16 @@ class ModelRunner:
         return (self.config.num_heads * bucket(num_items) * bucket(max_new, 16)
                 * bucket(max_len, 64) * 4)
 
+    def keys_per_token(self) -> float:
+        """Attended keys that cost as much as one new token's matmuls (the scheduler's cost of a long context): the
+        matmuls' flops per token over attention's per key, the CPU attention kernel running at about a third of
+        the matmul kernels' rate (docs/performance.md)."""
+        c = self.config
+        per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
+            + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+        per_key = 4 * c.num_heads * c.head_dim  # q.k and p.v, per layer
+        return 2 * per_layer / per_key / (3.0 if self.attention_backend == "cpu" else 1.0)
+
     def step_shape(self, num_items: int, total_new: int, max_new: int, max_len: int,
                    is_decode: bool) -> tuple[int, int, int, int]:
         """The padded (tokens T, requests B, new tokens per request S, attended length L) of a batch.

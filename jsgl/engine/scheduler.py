@@ -10,6 +10,7 @@ evicts unreferenced leaves, and a decode step that still cannot fit retracts the
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ class Batch:
     is_decode: bool
     seqs: list[Sequence]
     chunks: list[int]  # new tokens computed for each sequence this step
+    stalled: bool = False  # an extend step that running requests waited for
     # Whether sequence i reaches the end of its tokens this step (and so samples the next one): fixed when
     # the batch is made, as absorbing the step changes the sequence (a jump-forward appends several tokens).
     sampling: list[bool] = dataclasses.field(init=False)
@@ -56,13 +58,15 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_prefill_tokens: int = 0
+    mixed_steps: int = 0  # steps that carried decode tokens and prefill together
 
 
 class Scheduler:
     def __init__(self, allocator: SlotAllocator, prefix_cache: PrefixCacheBase | None, *, max_running: int,
                  chunk_size: int, max_context: int, attention_budget_bytes: int,
                  attention_bytes: Any, order_waiting: Any | None = None, padded_attention: bool = True,
-                 match_fraction: float = 1.0):
+                 match_fraction: float = 1.0, mixed_prefill_tokens: int = 0, keys_per_token: float = 1024.0,
+                 prefill_share: float = 1.0):
         self.allocator = allocator
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.max_running = max_running
@@ -81,6 +85,15 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
         self.running: list[Sequence] = []  # decoding
+        # Mixed steps (0: off): while requests decode, each step carries every decode token and at most this many
+        # token-equivalents of prefill, so a long prompt never stalls them. A new token attending over L keys costs
+        # 1 + L / keys_per_token of them (keys_per_token: attended keys that cost as much as a token's matmuls).
+        self.mixed_prefill_tokens = mixed_prefill_tokens
+        self.keys_per_token = keys_per_token
+        # While requests decode, prefill steps take at most this share of the time: a prefill step that made them
+        # wait is paid back by decode steps (``account``) before the next one. 1: prefill and decode alternate.
+        self.prefill_share = prefill_share
+        self._prefill_debt = 0.0  # seconds of decoding owed to the running requests
         self.stats = SchedulerStats()
         self._last_was_extend = False
 
@@ -136,9 +149,21 @@ class Scheduler:
     # ---------------------------------------------------------------------------------- batching
     def schedule(self) -> Batch | None:
         self.running = [s for s in self.running if not s.finished]
-        # Extend steps go first, but never twice in a row while sequences are decoding: a long prompt's
-        # chunks then interleave with decode steps instead of stalling them.
-        batch = None if (self._last_was_extend and self.running) else self._schedule_extend()
+        if self.running and (self.prefilling or self.waiting) and self.mixed_prefill_tokens \
+                and not self.padded_attention:
+            batch = self._schedule_mixed()
+            if batch is not None:
+                self.count_step(batch.is_decode, len(batch.seqs))
+                self.stats.mixed_steps += not batch.is_decode
+            return batch
+        if not self.running:
+            self._prefill_debt = 0.0
+        # Extend steps go first, but never twice in a row while sequences are decoding, nor while they are owed
+        # time: a long prompt's chunks then interleave with decode steps instead of stalling them.
+        owed = self._last_was_extend or self._prefill_debt > 0
+        batch = None if (owed and self.running) else self._schedule_extend()
+        if batch is not None and self.running:
+            batch.stalled = True
         if batch is None and self.running:
             batch = self._schedule_decode()
         if batch is None:
@@ -147,6 +172,14 @@ class Scheduler:
         if batch is not None:
             self.count_step(batch.is_decode, len(batch.seqs))
         return batch
+
+    def account(self, batch: Batch, seconds: float) -> None:
+        """A step took ``seconds``: a prefill step that running requests waited for puts them owed decoding time
+        (its share of the time is ``prefill_share``); decode steps pay it back."""
+        if batch.stalled and self.prefill_share < 1.0:
+            self._prefill_debt += seconds * (1.0 - self.prefill_share) / self.prefill_share
+        elif batch.is_decode or not batch.stalled:
+            self._prefill_debt = max(0.0, self._prefill_debt - seconds) if self.running else 0.0
 
     def count_step(self, is_decode: bool, num_requests: int) -> None:
         """Count a step in the stats (also one the engine dispatched without scheduling: overlap)."""
@@ -172,10 +205,31 @@ class Scheduler:
         seq.num_computed = seq.num_cached = usable
         self.cache.inc_lock_ref(node)
 
-    def _schedule_extend(self) -> Batch | None:
-        budget = self.chunk_size
-        seqs: list[Sequence] = []
-        chunks: list[int] = []
+    def _schedule_mixed(self) -> Batch | None:
+        """Every running request's decode token(s), plus prefill within ``mixed_prefill_tokens``."""
+        decode = self._schedule_decode()
+        if decode is None:  # all retracted for memory
+            return self._schedule_extend()
+        return self._schedule_extend(self.mixed_prefill_tokens, decode.seqs, decode.chunks) or decode
+
+    def _affordable(self, seq: Sequence, budget: float) -> int:
+        """New tokens of ``seq`` that ``budget`` token-equivalents pay for at its context (at least one)."""
+        return max(1, int(budget / (1 + seq.num_computed / self.keys_per_token)))
+
+    def _cost(self, seq: Sequence, chunk: int) -> int:
+        # Whole tokens: a fractional budget left would admit an empty chunk.
+        return math.ceil(chunk * (1 + seq.num_computed / self.keys_per_token))
+
+    def _schedule_extend(self, budget: int | None = None, seqs: list[Sequence] | None = None,
+                         chunks: list[int] | None = None) -> Batch | None:
+        """An extend batch: prompts' chunks within ``budget`` tokens (default ``chunk_size``). With ``seqs`` and
+        ``chunks`` (a mixed step's decodes) the chunks join them, and the budget is in token-equivalents: long
+        contexts get shorter chunks. While requests wait, a prefill under way takes at most half the budget."""
+        mixed = seqs is not None
+        base = len(seqs) if mixed else 0
+        seqs, chunks = (list(seqs), list(chunks)) if mixed else ([], [])
+        budget = self.chunk_size if budget is None else budget
+        admitting = bool(self.waiting) and self.num_active() < self.max_running
 
         def fits(seq: Sequence, chunk: int) -> bool:
             items = len(seqs) + 1
@@ -190,13 +244,25 @@ class Scheduler:
                 return False
             return self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
 
+        # A prefill under way is what stalls others: beside decodes or arrivals its chunk shrinks as its context
+        # grows (the step's cost stays that of ``budget`` short-context tokens), and arrivals get half the budget.
+        fair = mixed or self.prefill_share < 1.0
+        shrink = fair and (mixed or admitting or bool(self.running))
+        continuing = budget // 2 if fair and admitting else budget
+        continued: list[int] = []  # rows of prefills under way
         for seq in list(self.prefilling):
-            chunk = min(seq.num_tokens - seq.num_computed, budget)
-            if chunk <= 0 or not fits(seq, chunk) or not self.grow(seq, seq.num_computed + chunk):
+            if continuing <= 0 or seq not in self.prefilling:  # (retracted by an older one, below)
                 break
+            share = self._affordable(seq, continuing) if shrink else continuing
+            chunk = min(seq.num_tokens - seq.num_computed, share)
+            if chunk <= 0 or not fits(seq, chunk) or not self._grow_prefill(seq, seq.num_computed + chunk):
+                break
+            cost = self._cost(seq, chunk) if shrink else chunk
+            continued.append(len(seqs))
             seqs.append(seq)
             chunks.append(chunk)
-            budget -= chunk
+            budget -= cost
+            continuing -= cost
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
         deferred: list[Sequence] = []
@@ -211,11 +277,11 @@ class Scheduler:
                 if len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
                     break
                 continue
-            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget) if mixed else int(budget))
             if not self._admit(seq, chunk, seqs, chunks, fits):
                 self.waiting.insert(0, seq)
                 break
-            budget -= chunk
+            budget -= self._cost(seq, chunk) if mixed else chunk
         # Budget left over while requests wait only for a prefix this step computes: fill it with those that share
         # little beside what they bring (they compute the shared tokens again). MMLU's four subjects share a
         # 10-token header; deferring them all left its first step at 382 of 512 tokens, one step more in twelve.
@@ -226,13 +292,23 @@ class Scheduler:
             new = seq.num_tokens - seq.num_computed
             if self._shared_uncached(seq, seqs) * FILL_SHARED_RATIO > new:
                 self.release(seq)
-            elif self._admit(seq, min(new, budget), seqs, chunks, fits):  # (on failure it has released seq)
+            elif self._admit(seq, min(new, self._affordable(seq, budget) if mixed else int(budget)), seqs, chunks,
+                             fits):  # (on failure it has released seq)
                 deferred.remove(seq)
-                budget -= chunks[-1]
+                budget -= self._cost(seq, chunks[-1]) if mixed else chunks[-1]
         self.waiting[:0] = deferred
-        if not seqs:
+        if not self.padded_attention and not mixed and len(seqs) == len(continued):  # none admitted: theirs again
+            for row in continued:
+                seq = seqs[row]
+                left = seq.num_tokens - seq.num_computed - chunks[row]
+                extra = min(left, int(budget / (1 + (seq.num_computed + chunks[row]) / self.keys_per_token))
+                            if shrink else int(budget))
+                if extra > 0 and self.grow(seq, seq.num_computed + chunks[row] + extra):
+                    chunks[row] += extra
+                    budget -= extra
+        if len(seqs) == base:
             return None
-        self.stats.computed_prefill_tokens += sum(chunks)
+        self.stats.computed_prefill_tokens += sum(chunks[base:])
         return Batch(False, seqs, chunks)
 
     def _admit(self, seq: Sequence, chunk: int, seqs: list[Sequence], chunks: list[int], fits: Any) -> bool:
@@ -280,9 +356,20 @@ class Scheduler:
         chunks = [s.num_tokens - s.num_computed for s in self.running]
         return Batch(all(c == 1 for c in chunks), list(self.running), chunks)
 
+    def _grow_prefill(self, seq: Sequence, upto: int) -> bool:
+        """``grow`` for a prefill under way; short of slots, newer prefills give theirs back (the newest first), so
+        the oldest always progresses: two half-done prompts that the pool cannot both hold would wait forever."""
+        while not self.grow(seq, upto):
+            newer = self.prefilling[self.prefilling.index(seq) + 1:]
+            if not newer:
+                return False
+            self.retract(newer[-1])
+        return True
+
     def retract(self, seq: Sequence) -> None:
-        """Free a running sequence's KV and requeue it; its tokens so far are recomputed later."""
-        self.running.remove(seq)
+        """Free a running (or prefilling) sequence's KV and requeue it; its tokens so far are recomputed later
+        (those the prefix cache keeps are reused)."""
+        (self.running if seq in self.running else self.prefilling).remove(seq)
         self.release(seq)
         self.waiting.insert(0, seq)
         self.stats.retractions += 1
@@ -309,8 +396,9 @@ class Scheduler:
     def after_step(self, batch: Batch) -> None:
         """Cache fresh prefill KV; move sequences whose prefill completed into the running set."""
         if not batch.is_decode:
-            for seq in batch.seqs:
-                if not seq.finished:
+            for seq, chunk in zip(batch.seqs, batch.chunks):
+                # (A mixed step's one-token decodes are not prefill: they go in when the request finishes.)
+                if not seq.finished and (chunk > 1 or seq in self.prefilling):
                     self.cache_computed_prefix(seq)
         for i, seq in enumerate(batch.seqs):
             # Prefill is over once the request has sampled; a jump-forward on that sample leaves forced tokens
