@@ -7,6 +7,11 @@ It speaks the native API: `gen` is POST /generate (streamed as SSE when the prog
 hints are max_new_tokens=0 requests, and `select` scores every choice by its prompt logprobs in one
 batched /generate after caching the common prefix, exactly as the in-process backend does (the server's
 POST /tokenize gives the same token boundaries the in-process backend computes locally).
+
+Role contents are plain text, as in process: against a jsgl server (its /get_model_info lists `plain_spans` in
+`jsgl_extensions`) every prompt goes with its role contents' character ranges, which the server tokenizes with
+special tokens' strings split, so a `<|im_end|>` in a user's string cannot close the turn. A server without the
+extension (SGLang's) gets the raw text, as SGLang's own RuntimeEndpoint sends it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from jsgl.engine.spanned_prompt import SpannedPrompt
 from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
 from jsgl.lang.chat_template import ChatTemplate, get_chat_template_from_tokenizer
@@ -85,6 +91,8 @@ class RuntimeEndpoint(BaseBackend):
                                    limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.model_info = self._get("/get_model_info")
         self.model_name = self.model_info.get("model_path", "")
+        # Only a server that takes `plain_spans` is sent it: SGLang's /generate rejects unknown fields.
+        self.plain_spans = "plain_spans" in (self.model_info.get("jsgl_extensions") or ())
         if chat_template is not None:
             self.chat_template = chat_template
         elif self.model_info.get("chat_template"):
@@ -118,11 +126,24 @@ class RuntimeEndpoint(BaseBackend):
     def get_model_name(self) -> str:
         return self.model_name
 
+    def _prompt(self, prompt: str | SpannedPrompt) -> dict[str, Any]:
+        """`text`, with its role contents' `plain_spans` when it has some and the server takes them."""
+        if isinstance(prompt, SpannedPrompt) and prompt.plain and self.plain_spans:
+            return {"text": prompt.text, "plain_spans": [list(span) for span in prompt.plain]}
+        return {"text": prompt.text if isinstance(prompt, SpannedPrompt) else prompt}
+
+    def _tokenize(self, prompts: list[SpannedPrompt]) -> list[list[int]]:
+        """Token ids of each prompt, exactly as /generate would tokenize it (role contents as plain text)."""
+        body: dict[str, Any] = {"prompt": [p.text for p in prompts]}
+        if self.plain_spans and any(p.plain for p in prompts):
+            body["plain_spans"] = [[list(span) for span in p.plain] for p in prompts]
+        return self._post("/tokenize", body)["tokens"]
+
     def _payload(self, s: StreamExecutor, params: GenParams, stream: bool = False) -> dict[str, Any]:
         kwargs = params.to_engine_kwargs()
         top = {k: kwargs.pop(k) for k in _LOGPROB_FIELDS if k in kwargs}
         sampling = {k: v for k, v in kwargs.items() if v is not None}
-        return {"text": s.text_, "sampling_params": sampling, **top, "stream": stream,
+        return {**self._prompt(s.prompt_()), "sampling_params": sampling, **top, "stream": stream,
                 "return_text_in_logprobs": bool(params.return_text_in_logprobs)}
 
     def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
@@ -157,19 +178,20 @@ class RuntimeEndpoint(BaseBackend):
                 yield delta, _meta(event)
 
     # Hints ---------------------------------------------------------------------------------------------
-    def cache_prefix(self, prefix_str: str) -> None:
-        if prefix_str:
-            self._generate({"text": prefix_str, "sampling_params": {"max_new_tokens": 0}})
+    def cache_prefix(self, prefix_str: str | SpannedPrompt) -> None:
+        prompt = self._prompt(prefix_str)
+        if prompt["text"]:  # cached as the requests after it tokenize it (role contents plain), or it misses
+            self._generate({**prompt, "sampling_params": {"max_new_tokens": 0}})
 
     def commit_lazy_operations(self, s: StreamExecutor) -> None:
-        self.cache_prefix(s.text_)
+        self.cache_prefix(s.prompt_())
 
     # Select --------------------------------------------------------------------------------------------
     def select(self, s: StreamExecutor, choices: list[str], temperature: float,
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         """Mirrors the in-process backend: score each choice from the first token where `prompt + choice`
         tokenizes differently from the prompt alone; cache the prompt first; one batch for all choices."""
-        tokens = self._post("/tokenize", {"prompt": [s.text_] + [s.text_ + c for c in choices]})["tokens"]
+        tokens = self._tokenize([s.prompt_()] + [s.prompt_(c) for c in choices])
         prefix_ids, full_ids = tokens[0], tokens[1:]
         starts = [common_prefix_len(prefix_ids, f) for f in full_ids]
         if global_config.enable_prefix_hint and prefix_ids:

@@ -1,8 +1,8 @@
 """Where a program state's role contents lie in its text, kept in step as the text is edited.
 
 The contents of `system()`, `user()` and `assistant()` blocks are what the program wrote, not the chat template:
-an in-process backend tokenizes them as plain text (`SpannedPrompt`), so a `<|im_end|>` in a user's string cannot
-close the turn. Spans are ``(start, end)`` character ranges, sorted and disjoint.
+`Runtime` tokenizes them as plain text (`SpannedPrompt`) and `RuntimeEndpoint` sends them as `plain_spans`, so a
+`<|im_end|>` in a user's string cannot close the turn. Spans are ``(start, end)`` character ranges, sorted and disjoint.
 """
 
 from __future__ import annotations

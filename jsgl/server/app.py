@@ -33,7 +33,7 @@ from jsgl.errors import InvalidRequestError, OverloadedError
 from jsgl.server import generate_api, openai_api, openai_chat
 from jsgl.server.common import APIError, ServerState, error_body, server_state
 from jsgl.server.limits import BodySizeLimit, ServerLimits
-from jsgl.server.protocol import AbortRequest, ConcateAndAppendRequest
+from jsgl.server.protocol import JSGL_EXTENSIONS, AbortRequest, ConcateAndAppendRequest
 
 log = logging.getLogger("jsgl.server")
 
@@ -146,7 +146,9 @@ def _install_admin_routes(app: FastAPI) -> None:
         return {"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": True,
                 "max_context": state.max_context, "vocab_size": int(cfg.vocab_size),
                 "chat_template": getattr(tok, "chat_template", None), "bos_token": tok.bos_token,
-                "eos_token": tok.eos_token}
+                "eos_token": tok.eos_token,
+                # jsgl's own request fields: RuntimeEndpoint sends them only to a server that lists them here.
+                "jsgl_extensions": list(JSGL_EXTENSIONS)}
 
     @app.get("/get_server_info")
     @app.get("/server_info")  # the name SGLang's RuntimeEndpoint.get_server_info() calls

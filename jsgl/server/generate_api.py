@@ -9,7 +9,9 @@ A list in `text`/`input_ids` makes a batch and the response a list. `stream: tru
 events carrying the cumulative `text` (and `index` in a batch); the final event of each request carries
 the full meta_info, then `data: [DONE]`. A `text` prompt is tokenized as it is, a template's markers
 (`<|im_start|>`) as control tokens; `split_special_tokens: true` (per prompt, or a list) makes every special
-token's string in it ordinary text instead, as a chat message's content is.
+token's string in it ordinary text instead, as a chat message's content is. jsgl's `plain_spans` (a list of
+[start, end] character ranges per prompt, also taken by /tokenize) makes only those ranges plain text: what
+RuntimeEndpoint sends for a DSL program's role contents, so it tokenizes as the in-process Runtime does.
 """
 
 from __future__ import annotations
@@ -67,14 +69,38 @@ def _prompts(req: GenerateRequest) -> tuple[list[Any], bool]:
 
 
 def _split_special_tokens(req: GenerateRequest, prompts: list[Any]) -> list[Any]:
-    """Text prompts whose `split_special_tokens` is set, as wholly plain text."""
+    """Text prompts as the engine takes them: wholly plain text where `split_special_tokens` is set, else with
+    their `plain_spans` (jsgl's extension) as plain text."""
     split = _per_item(req.split_special_tokens, len(prompts), "split_special_tokens")
     if req.input_ids is not None:
-        if any(split):
-            raise APIError("split_special_tokens applies to `text` prompts; `input_ids` are used as given",
-                           param="split_special_tokens")
+        if any(split) or req.plain_spans is not None:
+            raise APIError("split_special_tokens and plain_spans apply to `text` prompts; `input_ids` are used as "
+                           "given", param="plain_spans" if req.plain_spans is not None else "split_special_tokens")
         return prompts
-    return [SpannedPrompt.all_plain(p) if s else p for p, s in zip(prompts, split, strict=True)]
+    spans = plain_spans_per_prompt(req.plain_spans, prompts, isinstance(req.text, str))
+    return [SpannedPrompt.all_plain(p) if s else _spanned(p, sp)
+            for p, s, sp in zip(prompts, split, spans, strict=True)]
+
+
+def plain_spans_per_prompt(value: list[Any] | None, prompts: list[str], single: bool) -> list[list[Any]]:
+    """`plain_spans` as one list of ranges per prompt: a single prompt's is a list of [start, end] pairs, a
+    batch's a list of those, one per prompt."""
+    if value is None:
+        return [[] for _ in prompts]
+    nested = bool(value) and not isinstance(value[0], tuple)  # the validated pairs are tuples, a batch's lists
+    if single == nested or (not single and len(value) != len(prompts)):
+        want = "a list of [start, end] pairs" if single else f"one list of pairs per prompt ({len(prompts)})"
+        raise APIError(f"`plain_spans` must be {want}", param="plain_spans")
+    return [value] if single else list(value)
+
+
+def _spanned(text: str, spans: list[Any]) -> str | SpannedPrompt:
+    if not spans:
+        return text  # no plain text: exactly the raw prompt (and its tokenization)
+    try:
+        return SpannedPrompt(text, tuple((int(a), int(b)) for a, b in spans))
+    except ValueError as exc:  # unsorted, overlapping or outside the text: the client's mistake
+        raise APIError(str(exc), param="plain_spans") from exc
 
 
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
@@ -209,12 +235,17 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     check_batch(state, len(prompts))
 
-    if req.split_special_tokens and req.add_special_tokens:
-        raise APIError("give add_special_tokens or split_special_tokens, not both", param="split_special_tokens")
+    if (req.split_special_tokens or req.plain_spans is not None) and req.add_special_tokens:
+        raise APIError("give add_special_tokens or split_special_tokens/plain_spans, not both",
+                       param="split_special_tokens" if req.split_special_tokens else "plain_spans")
+    spanned = [_spanned(p, sp) for p, sp in zip(prompts, plain_spans_per_prompt(
+        req.plain_spans, prompts, isinstance(req.prompt, str)), strict=True)]
 
     def encode() -> list[list[int]]:  # off the event loop: 20 x 1 MB once stalled /health for 8 s
         if req.split_special_tokens:
             return [tokenize_prompt(tok, SpannedPrompt.all_plain(p)) for p in prompts]
+        if req.plain_spans is not None:  # exactly how /generate tokenizes the same text and spans
+            return [tokenize_prompt(tok, p) for p in spanned]
         return [list(tok(p, add_special_tokens=req.add_special_tokens).input_ids) for p in prompts]
 
     batch = await asyncio.to_thread(encode)

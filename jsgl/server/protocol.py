@@ -80,6 +80,12 @@ IGNORED_REQUEST_FIELDS = ("log_metrics", "routing_key", "conversation_id", "http
                           "return_prompt_token_ids", "routed_experts_start_len")
 
 
+# Request fields of jsgl's own, named in /get_model_info so that a client sends them only to a server taking them.
+JSGL_EXTENSIONS = ("plain_spans",)
+# `plain_spans` of one prompt: sorted, disjoint [start, end] character ranges (jsgl.engine.spanned_prompt).
+PlainSpans = list[tuple[int, int]]
+
+
 def _is_off(value: Any) -> bool:
     return value in (None, False, 0, "", [], {}) or (isinstance(value, list) and all(_is_off(v) for v in value))
 
@@ -108,12 +114,17 @@ class GenerateRequest(_ValidUnicode, _Strict):
     # True: a special token's string in `text` is ordinary text (transformers' split_special_tokens), as chat
     # messages are; off by default, since /generate takes raw prompts that may hold a template's markers.
     split_special_tokens: bool | list[bool] = False
+    # jsgl's extension (advertised in /get_model_info's `jsgl_extensions`): `[start, end]` character ranges of
+    # `text` that are plain text (a DSL program's role contents), one list per prompt in a batch; the text
+    # around them keeps its markers as control tokens. RuntimeEndpoint sends it, SGLang's servers have none.
+    plain_spans: PlainSpans | list[PlainSpans] | None = None
 
 
 class TokenizeRequest(_ValidUnicode, _Strict):
     prompt: str | list[str]
     add_special_tokens: bool = False  # False: exactly how /generate tokenizes a text prompt
     split_special_tokens: bool = False  # as /generate's: special tokens' strings tokenized as ordinary text
+    plain_spans: PlainSpans | list[PlainSpans] | None = None  # as /generate's
 
 
 class AbortRequest(_ValidUnicode, _Strict):
