@@ -389,15 +389,21 @@ def test_state_limit_and_deadline() -> None:
     build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_states=n)))
     with pytest.raises(ConstraintBudgetError, match=f"the regex automaton needs more than {n} states"):
         build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_states=n - 1)))
-    # A fake clock advancing one second per reading: the guard reads it once when made, once per
-    # character state while the byte FSM is built, then once per byte state of the vocabulary walk.
+    # A fake clock advancing one second per reading: the guard reads it once when made, then at every
+    # check: once per character state while the byte FSM is built, then (at least) once per byte state in
+    # the vocabulary walk and in each pass after it.
+    ticks = iter(range(10_000))
+    build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_build_seconds=10_000),
+                                                     clock=lambda: float(next(ticks))))
+    readings = next(ticks)
+    byte_states = index_for(r"abc|abd|x[0-9]+").num_states
+    assert readings > n + 4 * byte_states  # byte FSM, walk, liveness, filter, masks
     ticks = iter(range(10_000))
     with pytest.raises(ConstraintBudgetError, match="time limit"):
         build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_build_seconds=n + 1),
                                                          clock=lambda: float(next(ticks))))
-    byte_states = index_for(r"abc|abd|x[0-9]+").num_states
     ticks = iter(range(10_000))
-    build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_build_seconds=n + byte_states),
+    build_token_index(fsm, vocab(), guard=BuildGuard(_budget(max_build_seconds=readings - 1),
                                                      clock=lambda: float(next(ticks))))
     guard = BuildGuard(_budget())
     guard.cancelled.set()

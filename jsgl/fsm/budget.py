@@ -6,8 +6,9 @@ checked in three places, cheapest first:
   1. statically, before anything is queued (`static_check.check_regex`, `json_schema`): pattern
      length, nesting, counted repeats and the expanded size they imply;
   2. while building, by a `BuildGuard`: automaton states (interegular's and ours), the index's
-     bytes (estimated from the byte FSM before the vocabulary walk, counted during it), a deadline
-     and a cancellation flag, polled in every long loop;
+     bytes (estimated from the byte FSM before the vocabulary walk, counted during it), a deadline,
+     the build process's resident memory and a cancellation flag, polled in every long loop (at
+     least every ~25 ms of CPU: tests/test_fsm_budget_limits.py), with backstops in build_process;
   3. nothing over budget is cached, in memory or on disk.
 
 Default numbers were measured on SmolLM2-135M's tokenizer (49152 tokens, 6 KiB of bitmask per
@@ -25,6 +26,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from jsgl.errors import ConstraintBudgetError
+from jsgl.fsm.procfs import rss_bytes
+
+# A statm read costs ~10 us; every 5 ms of CPU, builds stopped within 1.1 MiB of 128-512 MiB limits.
+RSS_CHECK_S = 0.005
+# The backstops (the parent's kill on CPU seconds or resident memory, the child's RLIMIT_DATA) sit this far
+# past the limits: the guard answers first; they catch what it cannot (a loop without checks, one big array).
+BACKSTOP_FRACTION = 0.1
+TICKS = 256  # BuildGuard.tick: loops of ~1-10 us an iteration check every 0.3-3 ms
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,27 @@ class BuildBudget:
     # memory and work. Typical schemas: <= 5 K; `((a{1,12}){1,12}){1,12}`: 1.1 M (2 s, growing fast).
     max_automaton_elements: int = 100_000
     max_index_bytes: int = 128 << 20  # TokenIndex.nbytes (a maxLength-128 string: 76 MB)
-    max_build_seconds: float = 10.0  # wall time of one build on a worker thread
+    max_build_seconds: float = 10.0  # CPU seconds of one build in its child process (build_process)
+    # Resident memory of the build's child process (~42 MiB idle, with the vocabulary). The largest index the
+    # byte budget allows ([\s\S]{1,300}: 127 MiB) peaks at 413 MiB, a maxLength-64 schema at 304 MiB: 2.5x room.
+    max_build_memory_bytes: int = 1 << 30
     # Server-wide: builds waiting for a worker beyond this are refused (OverloadedError, 503).
     max_queued: int = 64
 
 
 DEFAULT_BUDGET = BuildBudget()
+
+
+class BuildMemoryError(ConstraintBudgetError):
+    """A build outgrew max_build_memory_bytes. Its process is replaced afterwards (build_process), as
+    memory a process freed is not reliably returned to the OS."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"constraint build exceeded the server's memory limit ({limit / 2**20:g} MiB)")
+        self.limit = limit
+
+    def __reduce__(self) -> tuple:  # pickles by its argument (the child sends it to the parent)
+        return type(self), (self.limit,)
 
 
 class BuildPreempted(Exception):
@@ -61,21 +85,30 @@ class BuildGuard:
     once per state in every long loop, so a build stops within milliseconds of its deadline or
     cancellation.
 
+    `max_rss`: bytes of this process's resident memory over which the build raises BuildMemoryError;
+    only for a process that runs nothing but the build (build_worker). Read every RSS_CHECK_S of the
+    guard's clock, not every check: a read costs ~10 us, a check ~0.3 us.
+
     `preempt_after`: CPU seconds of this thread after which the build raises BuildPreempted (the
     fast lane's bound; CPU, not wall time, so a cheap build slowed by contention is not misjudged).
     Builds run in child processes (build_process), so builds never compete for one GIL.
     """
 
     def __init__(self, budget: BuildBudget, cancelled: threading.Event | None = None,
-                 preempt_after: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 preempt_after: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 max_rss: int | None = None) -> None:
         self.budget = budget
         self.cancelled = cancelled if cancelled is not None else threading.Event()
         # The build process counts its own CPU seconds (time.process_time): builds run at idle priority, so
         # on a busy machine wall time mostly measures waiting for a core (a 0.4 s build once hit the 10 s
         # wall limit beside two benchmarks), while what the limit bounds is the work a request may cost.
         self.clock = clock
-        self.deadline = clock() + budget.max_build_seconds
+        start = clock()
+        self.deadline = start + budget.max_build_seconds
         self.preempt_at = None if preempt_after is None else time.thread_time() + preempt_after
+        self.max_rss = max_rss
+        self.next_rss_check = start
+        self.ticks = 0
 
     def check_cancelled(self) -> None:
         if self.cancelled.is_set():
@@ -83,11 +116,25 @@ class BuildGuard:
 
     def check(self) -> None:
         self.check_cancelled()
-        if self.clock() > self.deadline:
+        now = self.clock()
+        if now > self.deadline:
             raise ConstraintBudgetError(
                 f"constraint build exceeded the server's time limit ({self.budget.max_build_seconds:g} s)")
+        if self.max_rss is not None and now >= self.next_rss_check:
+            self.next_rss_check = now + RSS_CHECK_S
+            rss = rss_bytes()
+            if rss is not None and rss > self.max_rss:
+                raise BuildMemoryError(self.budget.max_build_memory_bytes)
         if self.preempt_at is not None and time.thread_time() > self.preempt_at:
             raise BuildPreempted
+
+    def tick(self) -> None:
+        """check() every TICKS calls: for loops of microseconds an iteration, where a check each would
+        cost ~10%."""
+        self.ticks += 1
+        if self.ticks >= TICKS:
+            self.ticks = 0
+            self.check()
 
     def fail_states(self, states: int, what: str) -> None:
         raise ConstraintBudgetError(

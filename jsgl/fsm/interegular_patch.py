@@ -8,6 +8,7 @@ numbering, so the resulting FSM is identical) and, inside a budgeted build (`Bui
 checks the deadline / cancellation once per state and the state count and meta-state sizes on
 every new state -- the only way to stop interegular, whose construction can otherwise run forever
 (`maxLength: 1000000`) or fill gigabytes with huge meta-states (`(a{1,99}){1,100}`: 1.3 GB).
+`union` skips merging an alphabet with itself, which took most of the time of patterns with large classes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import interegular.fsm as ifsm
 from jsgl.fsm.budget import current_guard
 
 _original_crawl = ifsm.crawl
+_original_union = ifsm.Alphabet.union
 
 
 def _key(state: Any) -> Hashable:
@@ -70,6 +72,23 @@ def crawl(alphabet: ifsm.Alphabet, initial: Any, final: Callable[[Any], bool],
                     __no_validation__=True)
 
 
+def union(*alphabets: ifsm.Alphabet) -> tuple[ifsm.Alphabet, tuple[dict[Any, Any], ...]]:
+    """interegular's `Alphabet.union`, which every FSM operation calls first, walks every character of
+    every alphabet: ~45 ms per operation for the 21 K characters of [一-龥], unchecked by the guard. The
+    sub-automata of one pattern share one alphabet object, which needs no merging: same alphabet, each
+    transition key standing for itself."""
+    first = alphabets[0]
+    if all(a is first for a in alphabets):
+        identity = {key: key for key in first.by_transition}
+        return first, tuple(identity for _ in alphabets)
+    guard = current_guard()
+    if guard is not None:
+        guard.check()
+    return _original_union(*alphabets)
+
+
 def install() -> None:
-    """Replace interegular's crawl (idempotent). FSM methods look `crawl` up in their module's globals."""
+    """Replace interegular's crawl and Alphabet.union (idempotent). FSM methods look `crawl` up in their
+    module's globals, and call `Alphabet.union` through the class."""
     ifsm.crawl = crawl
+    ifsm.Alphabet.union = union  # type: ignore[method-assign]

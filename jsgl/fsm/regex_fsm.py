@@ -246,6 +246,7 @@ def compile_regex(pattern: str, guard: BuildGuard | None = None) -> CharFSM:
     order = {fsm.initial: 0}
     queue = deque([fsm.initial])
     while queue:
+        guard.tick()  # these loops take microseconds a state, for up to max_states (20 K) states
         s = queue.popleft()
         for t in fsm.map.get(s, {}).values():
             if t not in order:
@@ -255,6 +256,7 @@ def compile_regex(pattern: str, guard: BuildGuard | None = None) -> CharFSM:
     table = np.full((n, num_classes), DEAD, dtype=np.int64)
     accepting = np.zeros(n, dtype=bool)
     for s, i in order.items():
+        guard.tick()
         accepting[i] = s in fsm.finals
         for k, t in fsm.map.get(s, {}).items():
             table[i, kid[k]] = order[t]
@@ -267,6 +269,7 @@ def compile_regex(pattern: str, guard: BuildGuard | None = None) -> CharFSM:
     live = accepting.copy()
     queue = deque(np.flatnonzero(live).tolist())
     while queue:
+        guard.tick()
         for a in preds[queue.popleft()]:
             if not live[a]:
                 live[a] = True
@@ -285,6 +288,7 @@ def compile_regex(pattern: str, guard: BuildGuard | None = None) -> CharFSM:
     new_id = {start: 0}
     queue = deque([start])
     while queue:
+        guard.tick()
         b = queue.popleft()
         for t in q_table[b]:
             t = int(t)

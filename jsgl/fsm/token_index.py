@@ -157,6 +157,9 @@ def _decode_text(codes: np.ndarray) -> str:
     return "".join(map(chr, codes.tolist()))
 
 
+_EMPTY = (np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+
 def _walk_vocab(table: np.ndarray, sink: int, state: int, vocab: VocabBytes) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, next states) of the tokens whose every byte has a transition from `state`."""
     cur = table[state, vocab.columns[0]]
@@ -176,13 +179,15 @@ def _walk_vocab(table: np.ndarray, sink: int, state: int, vocab: VocabBytes) -> 
     return ids[perm].astype(np.int32), nxt[perm].astype(np.int32)
 
 
-def _token_live_states(bfsm: ByteFSM, per_state: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+def _token_live_states(bfsm: ByteFSM, per_state: list[tuple[np.ndarray, np.ndarray]],
+                       guard: BuildGuard) -> np.ndarray:
     """States from which some token sequence reaches an accepting state. A byte FSM state can be
     live over bytes yet dead over tokens when no token supplies a needed byte (the vocabulary lacks
     a few control bytes); tokens into such states must not be allowed."""
     n = bfsm.num_states
     preds: list[list[int]] = [[] for _ in range(n)]
     for s, (_, nxt) in enumerate(per_state):
+        guard.check()  # a unique() per state: ~60 us each for a 49 K vocabulary
         for t in np.unique(nxt):
             preds[int(t)].append(s)
     live = bfsm.accepting.copy()
@@ -226,23 +231,34 @@ def build_token_index(fsm: CharFSM, vocab: VocabBytes, vocab_size: int | None = 
         allowed += len(ids)
         guard.check_index_bytes(fixed_bytes + 8 * allowed, "the token index")
 
-    live = _token_live_states(bfsm, per_state)
+    # Each loop below is up to ~1 s over thousands of states (8 K states of [^x]{0,999}: 2.5 s in all), so
+    # each polls the guard: the time and memory limits hold to ~10% only if every long loop does.
+    live = _token_live_states(bfsm, per_state, guard)
     if not live[0]:  # the start state (char state 0)
         raise InvalidRequestError(
             f"the constraint matches no string the tokenizer can produce (regex {fsm.pattern!r})")
-    per_state = [(ids[live[nxt]], nxt[live[nxt]]) for ids, nxt in per_state]
+    for s, (ids, nxt) in enumerate(per_state):
+        guard.check()
+        keep = live[nxt]
+        per_state[s] = (ids[keep], nxt[keep])
 
+    counts = np.fromiter((len(ids) for ids, _ in per_state), dtype=np.int64, count=n)
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     masks = np.zeros((n, words), dtype=np.uint32)
-    for s, (ids, _) in enumerate(per_state):
+    token_ids = np.empty(int(indptr[-1]), np.int32)
+    next_states = np.empty(int(indptr[-1]), np.int32)
+    for s in range(n):  # filled state by state (not concatenated), so the per-state arrays go as they are copied
+        guard.check()
+        ids, nxt = per_state[s]
+        per_state[s] = _EMPTY
         bits = np.zeros(words * 32, dtype=bool)
         bits[ids] = True
         masks[s] = np.packbits(bits, bitorder="little").view("<u4")
-    counts = np.fromiter((len(ids) for ids, _ in per_state), dtype=np.int64, count=n)
-    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    token_ids = np.concatenate([ids for ids, _ in per_state]) if n else np.zeros(0, np.int32)
-    next_states = np.concatenate([nxt for _, nxt in per_state]) if n else np.zeros(0, np.int32)
+        token_ids[indptr[s] : indptr[s + 1]] = ids
+        next_states[indptr[s] : indptr[s + 1]] = nxt
 
-    jumps = jump_forward_table(fsm) + [""] * (n - bfsm.num_char_states)
+    guard.check()
+    jumps = jump_forward_table(fsm, guard) + [""] * (n - bfsm.num_char_states)
     masks.setflags(write=False)
     return TokenIndex(
         pattern=fsm.pattern,
@@ -250,8 +266,8 @@ def build_token_index(fsm: CharFSM, vocab: VocabBytes, vocab_size: int | None = 
         accepting=bfsm.accepting,
         masks=masks,
         indptr=indptr,
-        token_ids=token_ids.astype(np.int32),
-        next_states=next_states.astype(np.int32),
+        token_ids=token_ids,
+        next_states=next_states,
         byte_transitions=bfsm.transitions,
         num_char_states=bfsm.num_char_states,
         jump_strings=jumps,
