@@ -33,15 +33,19 @@ def _timed(engine: Engine, prompt: str) -> tuple[float, str]:
 
 
 @pytest.mark.slow
-def test_a_short_request_beside_an_8000_token_prompt_keeps_its_pace(engine):
+@pytest.mark.parametrize("long_prompts", [[8000], [4000] * 4], ids=["one-8000", "four-4000"])
+def test_a_short_request_beside_long_prompts_keeps_its_pace(engine, long_prompts):
+    """Sent after them, it is neither stalled by the prefill under way nor queued behind the other long prompts."""
     _timed(engine, VICTIM)
     solo_times, solo_texts = zip(*(_timed(engine, VICTIM) for _ in range(3)))
     solo = statistics.median(solo_times)
-    long = engine.submit([28] * 8000, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True})
-    time.sleep(0.3)  # the long prompt's prefill is under way
+    longs = [engine.submit([28 + i] * n, {"max_new_tokens": 500, "temperature": 0, "ignore_eos": True})
+             for i, n in enumerate(long_prompts)]
+    time.sleep(0.3)  # the first long prompt's prefill is under way
     seconds, text = _timed(engine, VICTIM)
-    assert not long.done  # it was beside the prefill (8000 tokens take several seconds here)
-    long.abort()
+    assert not longs[-1].done  # they were beside it (their prefill takes several seconds here)
+    for long in longs:
+        long.abort()
     assert text == solo_texts[0]  # the same greedy text, whatever shared its steps
-    assert seconds < 2 * solo + 1.0, f"{seconds:.2f} s beside the long prompt, {solo:.2f} s alone"
+    assert seconds < 2 * solo + 1.0, f"{seconds:.2f} s beside the long prompts, {solo:.2f} s alone"
     assert_no_leak(engine)

@@ -873,3 +873,14 @@ def test_mixed_steps_need_ragged_attention():
     step(sched)
     sched.add(seq(range(100, 200), rid="p"))
     assert step(sched).is_decode and shape(step(sched))[:3] == (False, ["p"], [32])
+
+
+def test_long_prompts_are_prefilled_one_at_a_time_so_a_short_one_behind_them_gets_in():
+    sched, _ = make(capacity=400, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
+    sched.add(seq(range(100), rid="p1"))
+    assert step(sched).chunks == [32]
+    p2, v = seq(range(1000, 1100), rid="p2"), seq(range(2000, 2008), max_new=4, rid="v")
+    sched.add(p2), sched.add(v)
+    # p1 takes 8 (cost 16 at 32 keys); p2 would need several steps too, so it waits; v, behind it, gets in.
+    assert shape(step(sched)) == (False, ["p1", "v"], [8, 8], [False, True])
+    assert sched.waiting == [p2] and len(p2.slots) == 0

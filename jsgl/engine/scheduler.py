@@ -249,6 +249,9 @@ class Scheduler:
         fair = mixed or self.prefill_share < 1.0
         shrink = fair and (mixed or admitting or bool(self.running))
         continuing = budget // 2 if fair and admitting else budget
+        # Long prompts are prefilled one at a time: while one is under way, a prompt that needs several steps too
+        # waits, so those behind it (a short request) are not held up by each in turn.
+        long_under_way = fair and any(s.num_tokens - s.num_computed > self.chunk_size for s in self.prefilling)
         continued: list[int] = []  # rows of prefills under way
         for seq in list(self.prefilling):
             if continuing <= 0 or seq not in self.prefilling:  # (retracted by an older one, below)
@@ -266,15 +269,22 @@ class Scheduler:
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
         deferred: list[Sequence] = []
+        held: list[Sequence] = []  # long prompts behind the long prefill under way
         while self.waiting and budget > 0 and self.num_active() < self.max_running:
             seq = self.waiting.pop(0)
             self._match_prefix(seq)
+            if long_under_way and seq.num_tokens - seq.num_computed > self.chunk_size:
+                self.release(seq)
+                held.append(seq)
+                if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:
+                    break
+                continue
             if self._shared_uncached(seq, seqs) >= IN_BATCH_PREFIX_MIN:
                 # Its prefix is being computed in this very step: admit it next step, when the tree
                 # has that prefix, instead of computing the same tokens twice.
                 self.release(seq)
                 deferred.append(seq)
-                if len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
+                if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
                     break
                 continue
             chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget) if mixed else int(budget))
@@ -296,7 +306,7 @@ class Scheduler:
                              fits):  # (on failure it has released seq)
                 deferred.remove(seq)
                 budget -= self._cost(seq, chunks[-1]) if mixed else chunks[-1]
-        self.waiting[:0] = deferred
+        self.waiting[:0] = held + deferred
         if not self.padded_attention and not mixed and len(seqs) == len(continued):  # none admitted: theirs again
             for row in continued:
                 seq = seqs[row]
