@@ -212,13 +212,17 @@ class Scheduler:
             return self._schedule_extend()
         return self._schedule_extend(self.mixed_prefill_tokens, decode.seqs, decode.chunks) or decode
 
-    def _affordable(self, seq: Sequence, budget: float) -> int:
-        """New tokens of ``seq`` that ``budget`` token-equivalents pay for at its context (at least one)."""
-        return max(1, int(budget / (1 + seq.num_computed / self.keys_per_token)))
+    def _affordable(self, seq: Sequence, budget: int, weighted: bool, at: int | None = None) -> int:
+        """New tokens of ``seq`` that ``budget`` pays for: tokens, or ``weighted``, token-equivalents at its context
+        (``at``, default what it has computed; at least one token)."""
+        if not weighted:
+            return budget
+        context = seq.num_computed if at is None else at
+        return max(1, int(budget / (1 + context / self.keys_per_token)))
 
-    def _cost(self, seq: Sequence, chunk: int) -> int:
+    def _cost(self, seq: Sequence, chunk: int, weighted: bool) -> int:
         # Whole tokens: a fractional budget left would admit an empty chunk.
-        return math.ceil(chunk * (1 + seq.num_computed / self.keys_per_token))
+        return math.ceil(chunk * (1 + seq.num_computed / self.keys_per_token)) if weighted else chunk
 
     def _schedule_extend(self, budget: int | None = None, seqs: list[Sequence] | None = None,
                          chunks: list[int] | None = None) -> Batch | None:
@@ -256,11 +260,10 @@ class Scheduler:
         for seq in list(self.prefilling):
             if continuing <= 0 or seq not in self.prefilling:  # (retracted by an older one, below)
                 break
-            share = self._affordable(seq, continuing) if shrink else continuing
-            chunk = min(seq.num_tokens - seq.num_computed, share)
+            chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, continuing, shrink))
             if chunk <= 0 or not fits(seq, chunk) or not self._grow_prefill(seq, seq.num_computed + chunk):
                 break
-            cost = self._cost(seq, chunk) if shrink else chunk
+            cost = self._cost(seq, chunk, shrink)
             continued.append(len(seqs))
             seqs.append(seq)
             chunks.append(chunk)
@@ -287,11 +290,11 @@ class Scheduler:
                 if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
                     break
                 continue
-            chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget) if mixed else int(budget))
+            chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget, mixed))
             if not self._admit(seq, chunk, seqs, chunks, fits):
                 self.waiting.insert(0, seq)
                 break
-            budget -= self._cost(seq, chunk) if mixed else chunk
+            budget -= self._cost(seq, chunk, mixed)
         # Budget left over while requests wait only for a prefix this step computes: fill it with those that share
         # little beside what they bring (they compute the shared tokens again). MMLU's four subjects share a
         # 10-token header; deferring them all left its first step at 382 of 512 tokens, one step more in twelve.
@@ -302,18 +305,17 @@ class Scheduler:
             new = seq.num_tokens - seq.num_computed
             if self._shared_uncached(seq, seqs) * FILL_SHARED_RATIO > new:
                 self.release(seq)
-            elif self._admit(seq, min(new, self._affordable(seq, budget) if mixed else int(budget)), seqs, chunks,
-                             fits):  # (on failure it has released seq)
-                deferred.remove(seq)
-                budget -= self._cost(seq, chunks[-1]) if mixed else chunks[-1]
+            elif self._admit(seq, min(new, self._affordable(seq, budget, mixed)), seqs, chunks, fits):
+                deferred.remove(seq)  # (on failure _admit has released it)
+                budget -= self._cost(seq, chunks[-1], mixed)
         self.waiting[:0] = held + deferred
         if not self.padded_attention and not mixed and len(seqs) == len(continued):  # none admitted: theirs again
             for row in continued:
-                seq = seqs[row]
-                left = seq.num_tokens - seq.num_computed - chunks[row]
-                extra = min(left, int(budget / (1 + (seq.num_computed + chunks[row]) / self.keys_per_token))
-                            if shrink else int(budget))
-                if extra > 0 and self.grow(seq, seq.num_computed + chunks[row] + extra):
+                seq, upto = seqs[row], seqs[row].num_computed + chunks[row]
+                if budget <= 0:
+                    break
+                extra = min(seq.num_tokens - upto, self._affordable(seq, budget, shrink, at=upto))
+                if extra > 0 and self.grow(seq, upto + extra):
                     chunks[row] += extra
                     budget -= extra
         if len(seqs) == base:
