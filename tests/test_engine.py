@@ -176,7 +176,8 @@ def test_page_size_four_gives_the_same_outputs(engine, prefix_cache):
 
 def test_mixed_steps_give_the_same_outputs(engine):
     """Decodes that share their steps with a long prompt's chunks (mixed steps) sample what they sample alone."""
-    long_prompt = " ".join(PROMPTS * 20)  # ~1500 tokens
+    # ~1500 tokens; not test_long_prompt_chunks_interleave_with_decoding's, which must not find it cached
+    long_prompt = " | ".join(PROMPTS * 20)
     long_params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     expected = [engine.generate(PROMPTS[0], long_params).token_ids, engine.generate(long_prompt, GREEDY).token_ids,
                 *(o.token_ids for o in engine.generate(PROMPTS[1:], GREEDY))]
