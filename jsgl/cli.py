@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from jsgl.engine.config import EngineConfig
+from jsgl.engine.config import PRECOMPILE_MODES, EngineConfig
 from jsgl.server.limits import ServerLimits
 
 # One help line per EngineConfig field: what it sets, in which unit. A default that is a plain value is appended
@@ -48,8 +48,9 @@ ENGINE_HELP = {
     "jump_forward": "compressed-FSM jump-forward for regex and JSON-schema requests",
     "grammar_backend": "constrained decoding: jsgl (compressed FSM: regex, JSON schema, jump-forward) or "
                        "llguidance (also EBNF grammars)",
-    "precompile": "compile the step shapes at start: off, common (decode and extend buckets), all (also "
-                  "prompt-logprob extends)",
+    "precompile": "compile the step shapes: background (common's, in a thread while serving; a step waits only "
+                  "for its own shape), common (decode and extend buckets, at start), all (also prompt-logprob "
+                  "extends), off (each on first use)",
     "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
                         "(on CPU only for small decode batches)",
     "seed": "seed of the sampling seeds drawn for requests that bring none",
@@ -76,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "attention_backend": ["auto", "native", "pallas", "cpu"],
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
         "grammar_backend": ["jsgl", "llguidance"],
-        "precompile": ["off", "common", "all"],
+        "precompile": list(PRECOMPILE_MODES),
         "weights_cache": ["auto", "orbax", "off"],
         "dtype": ["auto", "bfloat16", "float16", "float32"],
         "kv_dtype": ["auto", "bfloat16", "float16", "float32", "int8"],  # memory.KV_DTYPES

@@ -15,6 +15,15 @@ from jsgl.experiments.bench_serve import XlaCompiles
 from jsgl.engine.engine import Engine
 
 MAX_RUNNING, CHUNK = 8, 64
+_SHOTS = "Q: What is 2 + 2?\nA: 4\nQ: What is the capital of Italy?\nA: Rome\n" * 3
+# Decode at batch 1 and 8, few-shot prompts sharing a prefix, a regex, sampling with a logit bias and a repetition
+# penalty, token and prompt logprobs (the last: only precompile "all" plans its extends).
+MIXED = [("The capital of France is", {"max_new_tokens": 12}),
+         *[(_SHOTS + f"Q: What is {i} + {i}?\nA:", {"max_new_tokens": 2}) for i in range(6)],
+         ("A person as JSON:", {"max_new_tokens": 40, "regex": r'\{"name": "[A-Z][a-z]{1,8}", "age": [1-9][0-9]\}'}),
+         ("List three colors:", {"max_new_tokens": 10, "repetition_penalty": 1.3, "logit_bias": {"11": 2.0}}),
+         ("Count: one, two,", {"max_new_tokens": 6, "return_logprob": True, "top_logprobs_num": 3,
+                               "logprob_start_len": 0})]
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +89,7 @@ def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompile
     planned = engine.stats()["compiles"]
     assert planned == len(engine.runner.planned_signatures("all", MAX_RUNNING, CHUNK))
     assert engine.stats()["precompile_s"] > 0
-    shots = "Q: What is 2 + 2?\nA: 4\nQ: What is the capital of Italy?\nA: Rome\n" * 3
-    work = [("The capital of France is", {"max_new_tokens": 12})]
-    work += [(shots + f"Q: What is {i} + {i}?\nA:", {"max_new_tokens": 2}) for i in range(6)]
-    work += [
-        ("A person as JSON:", {"max_new_tokens": 40, "regex": r'\{"name": "[A-Z][a-z]{1,8}", "age": [1-9][0-9]\}'}),
-        ("List three colors:", {"max_new_tokens": 10, "repetition_penalty": 1.3, "logit_bias": {"11": 2.0}}),
-        ("Count: one, two,", {"max_new_tokens": 6, "return_logprob": True, "top_logprobs_num": 3,
-                              "logprob_start_len": 0}),
-    ]
-    prompts, params = [p for p, _ in work], [q for _, q in work]
+    prompts, params = [p for p, _ in MIXED], [q for _, q in MIXED]
     with XlaCompiles() as compiled:
         outs = engine.generate(prompts, params, progress=False)
         engine.generate([f"Story {i}:" for i in range(8)], {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9},
@@ -100,9 +100,11 @@ def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompile
     # other jitted function.
     assert not compiled.names, compiled.names
 
-    reference = Engine(max_running_requests=MAX_RUNNING, chunked_prefill_size=CHUNK, kv_cache_gb=0.25)
+    reference = Engine(max_running_requests=MAX_RUNNING, chunked_prefill_size=CHUNK, kv_cache_gb=0.25,
+                       precompile="off")
     try:
         want = reference.generate(prompts, params, progress=False)
+        assert reference.stats()["compiled_on_request_path"] == reference.stats()["compiles"] > 0
     finally:
         reference.shutdown()
     assert [o.text for o in outs] == [o.text for o in want]
@@ -111,6 +113,35 @@ def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompile
     np.testing.assert_allclose(got.input_logprobs[1:], ref.input_logprobs[1:], atol=1e-4)
     assert [[t for _, t in top] for top in got.output_top_logprobs] == \
         [[t for _, t in top] for top in ref.output_top_logprobs]
+
+
+def test_a_default_engine_compiles_its_plan_in_the_background(precompiled):
+    """The default engine answers at once (nothing compiled at start); a first request compiles on the request path
+    only the shapes it meets before the background does, the background compiles the rest of the plan while the
+    engine is idle, and then the mixed workload (less its prompt logprobs) compiles nothing, with the outputs of
+    the engine precompiled at start."""
+    jax.clear_caches()
+    engine = Engine(max_running_requests=MAX_RUNNING, chunked_prefill_size=CHUNK, kv_cache_gb=0.25)
+    greedy = {"max_new_tokens": 12, "temperature": 0}
+    seeded = [(prompt, {**params, "sampling_seed": i}) for i, (prompt, params) in enumerate(MIXED[:-1])]
+    prompts, params = [p for p, _ in seeded], [q for _, q in seeded]
+    try:
+        assert engine.config.precompile == "background" and engine.stats()["precompile_s"] == 0
+        first = engine.generate("The capital of France is", greedy, progress=False)
+        assert engine.wait_compiled(timeout=600)
+        stats = engine.stats()
+        plan = engine.runner.planned_signatures("common", MAX_RUNNING, CHUNK)
+        assert stats["compiles"] == len(plan) == stats["compiled_in_background"] + stats["compiled_on_request_path"]
+        assert stats["compiled_at_start"] == 0 and stats["unplanned_compiles"] == 0
+        assert stats["background_compile_s"] > 0 and stats["compiled_in_background"] > 0
+        with XlaCompiles() as compiled:
+            outs = engine.generate(prompts, params, progress=False)
+        assert not compiled.names, compiled.names
+        assert engine.stats()["compiled_on_request_path"] == stats["compiled_on_request_path"]
+    finally:
+        engine.shutdown()
+    assert first.text == precompiled.generate("The capital of France is", greedy, progress=False).text
+    assert [o.text for o in outs] == [o.text for o in precompiled.generate(prompts, params, progress=False)]
 
 
 def test_padded_attention_precompiles_the_sampler_for_the_extends_it_leaves_to_first_use():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+PRECOMPILE_MODES = ("background", "common", "all", "off")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -47,9 +49,10 @@ class EngineConfig:
     # Constrained decoding: jsgl's compressed FSM (regex, JSON schema; jump-forward) or llguidance (also
     # SGLang's `ebnf` grammars and schemas our regex conversion does not cover).
     grammar_backend: str = "jsgl"  # jsgl | llguidance
-    # Compile the step shapes this configuration can produce at start (ModelRunner.planned_signatures):
-    # off | common (generation: decode and extend buckets) | all (also prompt-logprob extends).
-    precompile: str = "off"
+    # Compile the step shapes this configuration can produce (ModelRunner.planned_signatures; engine/precompiler.py):
+    # background (common's, in a thread while the engine serves: a step waits only for its own shape) | common
+    # (generation: decode and extend buckets, before the engine starts) | all (also prompt-logprob extends) | off.
+    precompile: str = "background"
     # Overlap scheduling (SGLang's, on by default there too): while a decode step runs, the next decode step of
     # the same requests is dispatched with the running step's tokens as its inputs, still on device; the host
     # reads, detokenizes and schedules meanwhile. Off: each step is read back before the next is built. On CPU,
@@ -69,8 +72,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.grammar_backend not in ("jsgl", "llguidance"):
             raise ValueError(f"grammar_backend must be jsgl or llguidance, not {self.grammar_backend!r}")
-        if self.precompile not in ("off", "common", "all"):
-            raise ValueError(f"precompile must be off, common or all, not {self.precompile!r}")
+        if self.precompile not in PRECOMPILE_MODES:
+            raise ValueError(f"precompile must be one of {', '.join(PRECOMPILE_MODES)}, not {self.precompile!r}")
         if self.weights_cache not in ("auto", "orbax", "off"):
             raise ValueError(f"weights_cache must be auto, orbax or off, not {self.weights_cache!r}")
         if self.prefix_cache not in ("radix", "flat", "none"):

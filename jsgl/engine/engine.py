@@ -126,17 +126,27 @@ class Engine:
         self.loop.start()
 
     def _precompile(self) -> float:
-        """Compile the planned step shapes before the first request (``EngineConfig.precompile``)."""
-        plan = self.runner.planned_signatures(self.config.precompile, self.config.max_running_requests,
-                                              self.config.chunked_prefill_size)
+        """Compile the planned step shapes (``EngineConfig.precompile``): before the first request, or start doing
+        so in the background. Returns the seconds spent here."""
+        cfg = self.config
+        mode = "common" if cfg.precompile == "background" else cfg.precompile
+        plan = self.runner.planned_signatures(mode, cfg.max_running_requests, cfg.chunked_prefill_size,
+                                              cfg.mixed_prefill_tokens)
         if not plan:
             return 0.0
+        if cfg.precompile == "background":
+            self.runner.compiler.start_background(plan, then=self.constraints.backend.warm)
+            return 0.0
         t0 = time.perf_counter()
-        self.runner.precompile(plan)
+        self.runner.compiler.compile_all(plan)
         self.constraints.backend.warm()
         seconds = time.perf_counter() - t0
-        log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), self.config.precompile, seconds)
+        log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), cfg.precompile, seconds)
         return seconds
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background precompile (``precompile="background"``) to finish; False on ``timeout``."""
+        return self.runner.compiler.wait(timeout)
 
     def _placer(self, config: Any) -> Any:
         """Where each loaded tensor goes: the default device, or under tensor parallelism each device's slice of
@@ -266,10 +276,9 @@ class Engine:
             "jump_forward_tokens": self.constraints.jumped_tokens, "steps": s.steps, "extend_steps": s.extend_steps,
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
-            "retractions": s.retractions, "mixed_steps": s.mixed_steps, "compiles": self.runner.compiles,
+            "retractions": s.retractions, "mixed_steps": s.mixed_steps, **self._compile_stats(),
             **self.platform_report, "amx_prefill": self.amx_prefill,
             "cpu_vector_isa": cpu_kernels.vector_isa() if self.runner.matmul_backend != "xla" else None,
-            "unplanned_compiles": self.runner.unplanned_compiles,
             "weight_bytes": self.memory_plan.weight_bytes, "kv_bytes": self.memory_plan.kv_bytes,
             "device_bytes": self.memory_plan.device_bytes, "device_free_bytes": self.memory_plan.free_bytes,
             "startup_s": self.startup_s["total"],
@@ -280,6 +289,14 @@ class Engine:
             "decode_time_s": loop.step_time["decode"], "extend_time_s": loop.step_time["extend"],
         }
 
+    def _compile_stats(self) -> dict[str, Any]:
+        """Step shapes compiled (distinct signatures): at start, in the background (and its seconds, None while
+        it runs or where there was none), on the request path (each a stall), and of those the ones no plan held."""
+        compiler = self.runner.compiler
+        return {"compiles": compiler.compiles, "compiled_at_start": compiler.counts["start"],
+                "compiled_in_background": compiler.counts["background"], "background_compile_s": compiler.background_s,
+                "compiled_on_request_path": compiler.counts["request"], "unplanned_compiles": compiler.unplanned}
+
     def idle(self) -> bool:
         """Nothing queued or running (read from another thread: a hint for tests and benchmarks)."""
         return not self.mailbox.queued() and self.loop.idle()
@@ -289,6 +306,7 @@ class Engine:
         return self.loop.is_alive()
 
     def shutdown(self) -> None:
+        self.runner.compiler.stop()
         self.mailbox.stop()
         self.loop.join(timeout=30)
 

@@ -94,9 +94,14 @@ class EngineLoop:
                             *self.scheduler.running]:
                     self.finish(seq, FinishReason.ABORT, AbortReason.SHUTDOWN, "engine shut down")
                 return
+            compiler = self.runner.compiler
             if not self.scheduler.has_work() and self._inflight is None:
+                compiler.engine_busy(False)
+                if not self.pending and compiler.warm_next():  # one padding run, then look again
+                    continue
                 self.mailbox.wait(timeout=0.5)  # also the granularity of constraint timeouts
                 continue
+            compiler.engine_busy(True)
             try:
                 self.step()
             except Exception:  # not attributable to one request (step() isolates those): fail the batch

@@ -23,6 +23,7 @@ import numpy as np
 
 from jsgl.engine.backends import Backends, resolve_backends
 from jsgl.engine.kv_pool import allocate_pool
+from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.sampler import argmax, sample, stage_flags
 from jsgl.engine.step_inputs import ForwardItem, StepLayout, new_packed, pack_step, unpack_forward, unpack_sampling
 from jsgl.kernels.attention import get_attention_backend
@@ -33,8 +34,6 @@ from jsgl.paths import cache_dir
 
 log = logging.getLogger("jsgl.engine.model_runner")
 
-# Precompiled shapes of at most this many tokens are also run once on padding (cheap: decode, short extends).
-WARM_RUN_MAX_TOKENS = 64
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -175,12 +174,10 @@ class ModelRunner:
         self.ragged, self.length_free = self.backends.ragged(config), self.backends.length_free(config)
         self.builds_scores = self.backends.builds_scores(config)
         self.table_width = bucket(min(self.max_context, num_slots), 64)
-        self.compiles = 0
-        self.unplanned_compiles = 0  # signatures met while serving that precompile() had not built
-        self._signatures: set[tuple] = set()
-        self._precompiled = False
+        # The pool as a step's compile sees it (shape and placement), so compiling needs no live pool.
+        self._kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
+        self.compiler = StepCompiler(self)
         self._defaults: dict[tuple[str, int], jax.Array] = {}  # neutral mask/bias/scale per batch bucket
-        self._executables: dict[tuple, Any] = {}  # signature -> the step compiled ahead of time (precompile)
         self._step = jax.jit(
             functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
                               tp=self.tp),
@@ -263,9 +260,10 @@ class ModelRunner:
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
         prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
         signature = (*layout[:4], prompt_k)
-        self._count_signature(signature)
+        compiled = self.compiler.executable(signature)
+        if compiled is None:
+            self.compiler.count_jit(signature)
         args = (self.params, self.kv, step.packed.ints, previous)
-        compiled = self._executables.get(signature)
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=prompt_k)
         if not step.plain_greedy:  # queued behind the forward on the device; its tokens replace the forward's zeros
@@ -273,19 +271,22 @@ class ModelRunner:
                                          top_logprobs=self.max_top_logprobs)}
         return PendingStep(out, layout, step.q_lens, logprobs, top_logprobs, prompt_top_k)
 
-    def planned_signatures(self, mode: str, max_running: int, chunk_size: int) -> list[tuple]:
-        """The step signatures a configuration produces, for ``precompile(mode)``.
+    def planned_signatures(self, mode: str, max_running: int, chunk_size: int,
+                           mixed_prefill_tokens: int = 0) -> list[tuple]:
+        """The step signatures a configuration produces, for ``precompile(mode)`` (jsgl.engine.precompiler).
 
-        ``common``: every decode batch bucket up to ``max_running``, and every extend (tokens up to the
-        chunk size, requests up to ``max_running``): all that plain generation, constrained or sampled, can
-        meet. ``all``: also the extends that return prompt logprobs (``select``, ``logprob_start_len``). With
-        padded attention (native; the CPU kernel under tensor parallelism) the attended length multiplies the
-        set, so only decode at each length bucket is planned; extends compile on first use. Jump-forward extends of
-        more tokens than a chunk (many running requests jumping at once) are not planned either."""
+        ``common`` (and ``background``, the same set): every decode batch bucket up to ``max_running``, and every
+        extend (tokens up to the chunk size, or a mixed step's prefill beside every running request's decode;
+        requests up to ``max_running``): all that plain generation, constrained or sampled, can meet. ``all``: also
+        the extends that return prompt logprobs (``select``, ``logprob_start_len``). With padded attention (native;
+        the CPU kernel under tensor parallelism) the attended length multiplies the set, so only decode at each
+        length bucket is planned; extends compile on first use. Jump-forward extends of more tokens than a chunk
+        (many running requests jumping at once) are not planned either."""
         if mode == "off":
             return []
         batch_buckets = [1 << i for i in range(bucket(max_running).bit_length())]
-        token_buckets = sorted({token_bucket(n) for n in range(1, bucket(chunk_size, 16) + 1)})
+        max_tokens = max(bucket(chunk_size, 16), mixed_prefill_tokens + max_running if mixed_prefill_tokens else 0)
+        token_buckets = sorted({token_bucket(n) for n in range(1, max_tokens + 1)})
         lengths = [self.table_width] if self.length_free else \
             [64 << i for i in range(max(self.table_width // 64, 1).bit_length())]
         plan = [(b, b, 1, length, -1) for b in batch_buckets for length in lengths]
@@ -296,47 +297,32 @@ class ModelRunner:
         prompt_ks = [-1, self.max_top_logprobs] if mode == "all" else [-1]
         return plan + [(*shape, k) for k in prompt_ks for shape in extends]
 
-    def precompile(self, signatures: list[tuple]) -> None:
-        """Compile each signature ahead of time (XLA's persistent cache makes a restart's compiles loads), and the
-        sampler for each of their batch buckets; ``run`` then dispatches to them, and counts a signature met
-        outside them as unplanned."""
-        for signature in signatures:
-            if signature not in self._executables:
-                layout = StepLayout(*signature[:4], self.page_size)
-                self._executables[signature] = self._step.lower(
-                    *self._abstract_args(layout), layout=layout, prompt_top_k=signature[4]).compile()
-                self._count_signature(signature)
-                if signature[0] <= WARM_RUN_MAX_TOKENS:
-                    self._run_padding(signature)
-        self._precompiled = True
-        if not signatures:
-            return
-        # The logits' placement is part of jit's dispatch key: the sampler runs on zeros placed as every step's
-        # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it.
-        # Its batch buckets: a decode's and an extend's of
-        # every request count the plan decodes, extends included that a padded-attention plan leaves to first use.
-        logits = self._executables[signatures[0]].out_info[1]["logits"]  # shape [B, V], dtype and placement
-        counts = {signature[1] for signature in signatures if signature[2] == 1}
-        for num_b in sorted({self.step_shape(n, n, 1, 1, decode)[1] for n in counts for decode in (True, False)}):
-            self._run_sampler(num_b, logits)
+    def compile_step(self, signature: tuple) -> Any:
+        """Compile the step for ``signature`` ahead of use (any thread: the pool enters as its shape and placement,
+        so a step running meanwhile may donate it). XLA's persistent cache makes a restart's compiles loads."""
+        layout = StepLayout(*signature[:4], self.page_size)
+        args = (self.params, self._kv_spec, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+                jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
+        return self._step.lower(*args, layout=layout, prompt_top_k=signature[4]).compile()
 
-    def _run_padding(self, signature: tuple) -> None:
-        """Execute a compiled step on padding (every write goes to reserved slot 0): an executable's first run
-        pays one-time costs. Twice: taking the argmax, then not (the sampler's turn), the second taking the first's
-        tokens as its previous tokens, as an overlapped decode step does (its first dispatch is slow too)."""
+    def run_padding(self, signature: tuple, compiled: Any) -> None:
+        """Execute a compiled step on padding (every write goes to reserved slot 0; engine thread only, as it
+        donates the pool): an executable's first run pays one-time costs. Twice: taking the argmax, then not (the
+        sampler's turn), the second taking the first's tokens as its previous tokens, as an overlapped decode step
+        does (its first dispatch is slow too)."""
         layout = StepLayout(*signature[:4], self.page_size)
         previous = self._neutral("previous_tokens", layout.num_b)
         for greedy in (True, False):
             packed = new_packed(layout, self.config.vocab_size)
             packed.views(layout)["argmax"][:] = greedy
-            self.kv, out = self._executables[signature](self.params, self.kv, packed.ints, previous)
+            self.kv, out = compiled(self.params, self.kv, packed.ints, previous)
             jax.block_until_ready(out)
             previous = out["tokens"]
 
-    def _run_sampler(self, num_b: int, like: jax.ShapeDtypeStruct) -> None:
+    def run_sampler(self, num_b: int, like: jax.ShapeDtypeStruct) -> None:
         """Compile and run the sampler at batch bucket ``num_b`` on neutral rows and zero logits placed as a step
         places them, sampling with token logprobs (its branches are conditionals inside one program: any run
-        compiles them all)."""
+        compiles them all). Any thread."""
         layout = StepLayout(num_b, num_b, 1, 1, 1)
         packed = new_packed(layout, self.config.vocab_size)
         views = packed.views(layout)
@@ -346,20 +332,6 @@ class ModelRunner:
         arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
         logits = jax.device_put(np.zeros((num_b, like.shape[1]), like.dtype), like.sharding)
         jax.block_until_ready(_sample_step(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
-
-    def _abstract_args(self, layout: StepLayout) -> tuple:
-        return (self.params, self.kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
-                jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
-
-    def _count_signature(self, signature: tuple) -> None:
-        if signature in self._signatures:
-            return
-        self._signatures.add(signature)
-        self.compiles += 1
-        if self._precompiled:
-            self.unplanned_compiles += 1
-            log.info("compiling a step shape precompile did not cover: (tokens, requests, new per request, "
-                     "attended, prompt top-k) = %s", signature)
 
     def _neutral(self, kind: str, num_b: int) -> jax.Array:
         """A device array that leaves the logits unchanged (kept, so a step without masks, biases or

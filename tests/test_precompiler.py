@@ -1,0 +1,142 @@
+"""The background precompile's bookkeeping (jsgl.engine.precompiler.StepCompiler) on a runner whose compiles are
+controlled by the test: the order, a request claiming a shape the background has not reached, a request waiting for
+the shape the background is compiling, the pause while the engine steps, stop, and a failed compile."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from jsgl.engine.precompiler import BACKGROUND_THREAD, StepCompiler, order
+
+DECODES = [(b, b, 1, 8192, -1) for b in (1, 2, 4, 8)]
+EXTENDS = [(t, b, t, 8192, -1) for t in (16, 32) for b in (8,)] + [(32, 16, 32, 8192, -1)]
+PLAN = DECODES + EXTENDS
+
+
+class ControlledRunner:
+    """Records which thread compiled what; a compile of a signature in ``hold`` blocks until it is released."""
+
+    def __init__(self, fail: tuple | None = None):
+        self.compiled: list[tuple[tuple, str]] = []
+        self.padded: list[tuple] = []
+        self.samplers: list[int] = []
+        self.hold: dict[tuple, threading.Event] = {}
+        self.started: dict[tuple, threading.Event] = {}
+        self.fail = fail
+
+    def compile_step(self, signature: tuple) -> SimpleNamespace:
+        self.started.setdefault(signature, threading.Event()).set()
+        if signature in self.hold:
+            assert self.hold[signature].wait(10)
+        self.compiled.append((signature, threading.current_thread().name))
+        if signature == self.fail:
+            raise RuntimeError("planted compile failure")
+        return SimpleNamespace(signature=signature, out_info=(None, {"logits": "placed like a step's"}))
+
+    def run_padding(self, signature: tuple, compiled: SimpleNamespace) -> None:
+        self.padded.append(signature)
+
+    def run_sampler(self, num_b: int, like: str) -> None:
+        self.samplers.append(num_b)
+
+    @staticmethod
+    def step_shape(num_items: int, total_new: int, max_new: int, max_len: int, is_decode: bool) -> tuple:
+        num_b = max(num_items, 1) if is_decode else max(num_items, 8)
+        return num_b, num_b, 1, 8192
+
+
+def test_order_is_small_batches_then_few_tokens():
+    assert order(PLAN)[:5] == [*DECODES, (16, 8, 16, 8192, -1)]
+    assert order(PLAN)[-1] == (32, 16, 32, 8192, -1)
+
+
+def test_background_compiles_the_plan_once_each_with_samplers_and_then():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    then = threading.Event()
+    compiler.start_background(PLAN, then=then.set)
+    assert compiler.wait(30)
+    assert [s for s, _ in runner.compiled] == order(PLAN)
+    assert {name for _, name in runner.compiled} == {BACKGROUND_THREAD}
+    assert compiler.counts == {"start": 0, "background": len(PLAN), "request": 0} and compiler.compiles == len(PLAN)
+    assert sorted(runner.samplers) == [1, 2, 4, 8, 16] and then.is_set()  # 16: the 16-request extend's bucket
+    assert not runner.padded  # padding runs are the engine thread's, when idle
+    assert compiler.warm_next() and runner.padded == [order(PLAN)[0]]
+    while compiler.warm_next():
+        pass
+    assert sorted(runner.padded) == sorted(PLAN)  # all of at most 64 tokens
+    assert compiler.background_s is not None
+
+
+def test_a_request_claims_a_shape_not_reached_and_waits_for_one_in_progress():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    in_progress = DECODES[1]
+    runner.hold[in_progress] = threading.Event()
+    compiler.start_background(PLAN)
+    assert runner.started.setdefault(in_progress, threading.Event()).wait(10)
+    # Not reached yet: compiled here, at once, on the request path.
+    last = order(PLAN)[-1]
+    assert compiler.executable(last).signature == last
+    assert (last, threading.current_thread().name) in runner.compiled
+    # Being compiled by the background: this request waits for that compile, and there is no second one.
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(compiler.executable(in_progress)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and not got
+    runner.hold[in_progress].set()
+    waiter.join(10)
+    assert got[0].signature == in_progress
+    assert compiler.wait(30)
+    signatures = [s for s, _ in runner.compiled]
+    assert sorted(signatures) == sorted(PLAN)  # each once
+    assert compiler.counts == {"start": 0, "background": len(PLAN) - 1, "request": 1}
+    assert compiler.executable((64, 64, 1, 8192, -1)) is None  # not planned: jit's
+
+
+def test_the_background_pauses_while_the_engine_steps():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    compiler.engine_busy(True)
+    compiler.start_background(PLAN)
+    time.sleep(0.3)
+    assert not runner.compiled
+    compiler.engine_busy(False)
+    assert compiler.wait(30) and len(runner.compiled) == len(PLAN)
+
+
+def test_stop_ends_the_background_after_the_shape_in_progress():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    runner.hold[DECODES[0]] = threading.Event()
+    compiler.start_background(PLAN)
+    assert runner.started.setdefault(DECODES[0], threading.Event()).wait(10)
+    threading.Timer(0.2, runner.hold[DECODES[0]].set).start()
+    compiler.stop()
+    assert compiler.wait(0) and [s for s, _ in runner.compiled] == [DECODES[0]]
+
+
+def test_a_failed_background_compile_is_left_to_jit():
+    runner = ControlledRunner(fail=DECODES[2])
+    compiler = StepCompiler(runner)
+    compiler.start_background(PLAN)
+    assert compiler.wait(30)
+    assert compiler.executable(DECODES[2]) is None  # dispatch then calls jit, which raises for that request
+    compiler.count_jit(DECODES[2])
+    assert compiler.counts["request"] == 1 and compiler.unplanned == 1
+    assert compiler.counts["background"] == len(PLAN) - 1
+
+
+def test_compile_all_compiles_before_returning_with_padding_runs():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    compiler.compile_all(PLAN)
+    assert compiler.counts["start"] == len(PLAN) and sorted(runner.padded) == sorted(PLAN)
+    assert sorted(runner.samplers) == [1, 2, 4, 8, 16]
+    with pytest.raises(AssertionError):  # nothing left for the idle engine
+        assert compiler.warm_next()
