@@ -68,24 +68,27 @@ MAX_PROMPT_CHARS = 2000  # long ShareGPT turns are cut here: the workload is abo
 
 class XlaCompiles:
     """The jitted functions XLA compiles (or loads from the persistent cache) in this process from construction
-    until ``close()``, from JAX's monitoring events; ``since(mark)`` names those after a ``len()`` mark."""
+    until ``close()``, from JAX's monitoring events (sent on the compiling thread); ``since(mark)`` names those
+    after a ``len()`` mark, with ``with_threads`` as (name, thread name) pairs."""
 
     def __init__(self) -> None:
         import jax
 
         self.names: list[str] = []
+        self.threads: list[str] = []
         self._monitoring = jax.monitoring
         self._monitoring.register_event_duration_secs_listener(self._listener)
 
     def _listener(self, event: str, duration: float, **kwargs: Any) -> None:
         if event.endswith("backend_compile_duration"):
+            self.threads.append(threading.current_thread().name)
             self.names.append(kwargs.get("fun_name", "?"))
 
     def __len__(self) -> int:
         return len(self.names)
 
-    def since(self, mark: int) -> list[str]:
-        return self.names[mark:]
+    def since(self, mark: int, with_threads: bool = False) -> list:
+        return list(zip(self.names[mark:], self.threads[mark:])) if with_threads else self.names[mark:]
 
     def close(self) -> None:
         self._monitoring.unregister_event_duration_listener(self._listener)
@@ -282,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=None, help="default 48 (--quick: 6)")
     ap.add_argument("--rate", type=float, default=None, help="mean arrivals per second (default 2; --quick: 4)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precompile", choices=["off", "common", "all"], default="common",
+    ap.add_argument("--precompile", choices=["off", "common", "all", "background"], default="common",
                     help="EngineConfig.precompile (default: common, as `jsgl serve`)")
     ap.add_argument("--max-running-requests", type=int, default=64, help="EngineConfig.max_running_requests")
     ap.add_argument("--chunked-prefill-size", type=int, default=512, help="EngineConfig.chunked_prefill_size")

@@ -48,7 +48,7 @@ SLOW_MODULES = frozenset({"test_radix_engine", "test_lang", "test_loader", "test
                           "test_server_launch", "test_model", "test_cpu_kernels", "test_soak", "test_engine",
                           "test_constrained_engine", "test_openai_tools",
                           "test_grammar_backend", "test_sglang_client", "test_model_families",
-                          "test_schedule_policies", "test_precompile", "test_memory", "test_gpu_lowering"})
+                          "test_schedule_policies", "test_precompile", "test_memory", "test_gpu_lowering", "test_hub"})
 
 
 def pypi_reachable() -> bool:

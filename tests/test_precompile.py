@@ -81,6 +81,25 @@ def test_a_default_sized_chunk_is_planned_with_its_three_quarter_bucket(precompi
     check()
 
 
+def test_mixed_steps_are_planned(precompiled):
+    """With mixed steps, a step carries every running request's decode token and up to ``mixed_prefill_tokens``
+    of prefill: those shapes are planned too, beyond the chunk size."""
+    runner, mixed = precompiled.runner, 96
+    plan = set(runner.planned_signatures("common", MAX_RUNNING, CHUNK, mixed_prefill_tokens=mixed))
+    assert plan > set(runner.planned_signatures("common", MAX_RUNNING, CHUNK))
+
+    @settings(max_examples=examples(200), deadline=None)
+    @given(st.integers(1, MAX_RUNNING - 1), st.data())
+    def check(decodes, data):
+        prefill = data.draw(st.lists(st.integers(1, mixed), min_size=1, max_size=MAX_RUNNING - decodes)
+                            .filter(lambda xs: sum(xs) <= mixed))
+        new = [1] * decodes + prefill
+        shape = runner.step_shape(len(new), sum(new), max(new), runner.table_width, False)
+        assert (*shape, -1) in plan
+
+    check()
+
+
 def test_precompiled_engine_serves_a_mixed_workload_without_compiling(precompiled):
     """Decode at batch 1 and 8, few-shot prompts sharing a prefix, a regex, sampling with top-p, a logit
     bias, a repetition penalty, token and prompt logprobs: nothing compiles while serving, and the greedy

@@ -1,4 +1,5 @@
-"""Model names: the `smollm2-135m` alias and where files and converted weights live."""
+"""Model names: the `smollm2-135m` alias, local files and folders, Hub ids (jsgl.model.hub), and where converted
+weights live."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from jsgl.model.hub import is_hub_id, resolve_hub_model
 from jsgl.paths import cache_dir  # noqa: F401  (re-exported: older callers import it from here)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -28,14 +30,18 @@ ALIASES = {"smollm2-135m": _smollm2_gguf, "smollm2-135m-instruct": _smollm2_gguf
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """An alias, a .gguf file, or an HF folder (config.json + *.safetensors) -> a path that exists."""
+    """An alias, a .gguf file, an HF folder (config.json + *.safetensors), or a Hub id (``org/name[@revision]``,
+    when no such local path exists: its snapshot in the Hugging Face cache) -> a path that exists."""
     name = str(model)
     if name.lower() in ALIASES:
         return ALIASES[name.lower()]()
     path = Path(name).expanduser()
+    if not path.exists() and is_hub_id(name):
+        path = resolve_hub_model(name)
     if not path.exists():
         raise FileNotFoundError(
-            f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}) and no such file or folder"
+            f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), a Hub id (org/name[@revision]) or a "
+            "file or folder"
         )
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
