@@ -93,7 +93,10 @@ class JsglRun:
     def __init__(self, name: str, batch_sizes: list[int]):
         from jsgl.engine.engine import Engine
 
-        self.engine = Engine(kv_cache_gb=0.5, max_running_requests=max(batch_sizes), **KERNELS[name])
+        # Compiles as it goes (its warm-up run below), as before the background precompile: nothing compiles beside
+        # the timed runs.
+        self.engine = Engine(kv_cache_gb=0.5, max_running_requests=max(batch_sizes), precompile="off",
+                             **KERNELS[name])
         self.weight_bytes = step_weight_bytes(self.engine.runner.params)
 
     def warm(self, prompts: list[str], params: dict) -> None:

@@ -57,6 +57,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
                      "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
+    "bench startup": (["bench", "startup", "--quick", "--modes", "common"], None),  # two fresh processes
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
@@ -202,6 +203,15 @@ def test_chat_answers_then_ends_at_eof(results):
 def test_bench_decode(results):
     out, _ = finished(results, "bench decode")
     assert re.search(rf"^\s+1\s+{'gguf' if KERNELS else 'xla'}\s+\d+\.\d", out, re.M), out
+
+
+def test_bench_startup(results):
+    """Precompiled at start, a fresh process's first run of each workload compiles nothing, cold cache or warm."""
+    out, _ = finished(results, "bench startup")
+    rows = re.findall(r"^common\s+(cold|warm)\s+([\d.]+)\s+-\s+\|\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)\s+\|"
+                      r"\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", out, re.M)
+    assert [r[0] for r in rows] == ["cold", "warm"] and all(r[2:] == ("0", "0") for r in rows), out
+    assert "greedy outputs the same in every row and round: True" in out, out
 
 
 def test_bench_radix(results):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,15 @@ log = logging.getLogger("jsgl.engine.precompiler")
 WARM_RUN_MAX_TOKENS = 64
 ORIGINS = ("start", "background", "request")
 BACKGROUND_THREAD = "jsgl-precompile"
+_BACKGROUNDS: weakref.WeakSet[StepCompiler] = weakref.WeakSet()  # every engine's in this process
+
+
+def wait_for_backgrounds(timeout: float | None = None) -> bool:
+    """Wait until no engine in this process compiles in the background (timing tests: an engine a caller left
+    running compiles while it is idle, beside the engine under test)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return all(compiler.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+               for compiler in list(_BACKGROUNDS))
 
 
 class StepCompiler:
@@ -72,6 +82,7 @@ class StepCompiler:
     def start_background(self, plan: list[tuple], then: Callable[[], None] | None = None) -> None:
         """Compile ``plan`` in a thread, then call ``then`` (more start-up work for the same thread)."""
         self._planned.update(plan)
+        _BACKGROUNDS.add(self)
         self._thread = threading.Thread(target=self._background, args=(plan, then), name=BACKGROUND_THREAD,
                                         daemon=True)
         self._thread.start()
