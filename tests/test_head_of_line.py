@@ -14,7 +14,6 @@ import pytest
 from conftest import assert_no_leak
 
 from jsgl.engine.engine import Engine
-from jsgl.engine.precompiler import wait_for_backgrounds
 
 VICTIM = "Write a short poem about the sea and the sky."
 GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
@@ -23,7 +22,6 @@ GREEDY_32 = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine():
     eng = Engine("smollm2-135m", precompile="common")
-    assert wait_for_backgrounds(timeout=600)  # no engine an earlier test left running compiles beside the timing
     yield eng
     eng.shutdown()
 

@@ -8,8 +8,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
-
 from jsgl.engine.precompiler import BACKGROUND_THREAD, StepCompiler, order
 
 DECODES = [(b, b, 1, 8192, -1) for b in (1, 2, 4, 8)]
@@ -138,5 +136,23 @@ def test_compile_all_compiles_before_returning_with_padding_runs():
     compiler.compile_all(PLAN)
     assert compiler.counts["start"] == len(PLAN) and sorted(runner.padded) == sorted(PLAN)
     assert sorted(runner.samplers) == [1, 2, 4, 8, 16]
-    with pytest.raises(AssertionError):  # nothing left for the idle engine
-        assert compiler.warm_next()
+    assert not compiler.warm_next()  # nothing left for the idle engine
+
+
+def test_the_background_skips_a_shape_the_request_path_is_compiling():
+    runner = ControlledRunner()
+    compiler = StepCompiler(runner)
+    claimed = order(PLAN)[2]
+    runner.hold[claimed] = threading.Event()
+    compiler.engine_busy(True)  # the background waits while the request compiles
+    compiler.start_background(PLAN)
+    request = threading.Thread(target=compiler.executable, args=(claimed,))
+    request.start()
+    assert runner.started.setdefault(claimed, threading.Event()).wait(10)
+    compiler.engine_busy(False)  # the background now passes the claimed shape while it is being compiled
+    time.sleep(0.3)
+    runner.hold[claimed].set()
+    request.join(10)
+    assert compiler.wait(30)
+    assert sorted(s for s, _ in runner.compiled) == sorted(PLAN)  # each once
+    assert compiler.counts == {"start": 0, "background": len(PLAN) - 1, "request": 1}

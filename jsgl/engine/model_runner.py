@@ -35,7 +35,6 @@ from jsgl.paths import cache_dir
 log = logging.getLogger("jsgl.engine.model_runner")
 
 
-
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """Smallest power of two >= max(n, minimum) (capped at ``maximum`` when given and n fits)."""
     b = max(minimum, 1 << max(0, (max(n, 1) - 1).bit_length()))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -31,15 +30,6 @@ log = logging.getLogger("jsgl.engine.precompiler")
 WARM_RUN_MAX_TOKENS = 64
 ORIGINS = ("start", "background", "request")
 BACKGROUND_THREAD = "jsgl-precompile"
-_BACKGROUNDS: weakref.WeakSet[StepCompiler] = weakref.WeakSet()  # every engine's in this process
-
-
-def wait_for_backgrounds(timeout: float | None = None) -> bool:
-    """Wait until no engine in this process compiles in the background (timing tests: an engine a caller left
-    running compiles while it is idle, beside the engine under test)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    return all(compiler.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-               for compiler in list(_BACKGROUNDS))
 
 
 class StepCompiler:
@@ -57,7 +47,8 @@ class StepCompiler:
         self._compiling: dict[tuple, threading.Event] = {}
         self._lock = threading.Lock()
         self._unwarmed: deque[tuple] = deque()  # compiled in the background, padding run still to do
-        self._samplers: set[int] = set()
+        self._samplers: set[int] = set()  # batch buckets whose sampler is compiled
+        self._sampler_buckets: set[int] = set()  # those the plan's steps can have
         self._stop = threading.Event()
         self._engine_idle = threading.Event()
         self._engine_idle.set()  # until the engine's first step
@@ -70,22 +61,29 @@ class StepCompiler:
     # ----------------------------------------------------------------------------------- the plan
     def compile_all(self, plan: list[tuple]) -> None:
         """Compile ``plan`` now, with each batch bucket's sampler, and run the small executables on padding."""
-        self._planned.update(plan)
+        self._adopt(plan)
         for signature in order(plan):
-            if self._claim(signature) is not None:
+            if self._claim(signature):
                 self._build(signature, "start")
                 if signature[0] <= WARM_RUN_MAX_TOKENS:
                     self.runner.run_padding(signature, self.executables[signature])
-            self._warm_samplers(plan, upto=signature[1])
-        self._warm_samplers(plan)
+            self._warm_samplers(upto=signature[1])
+        self._warm_samplers()
 
     def start_background(self, plan: list[tuple], then: Callable[[], None] | None = None) -> None:
         """Compile ``plan`` in a thread, then call ``then`` (more start-up work for the same thread)."""
-        self._planned.update(plan)
-        _BACKGROUNDS.add(self)
+        self._adopt(plan)
         self._thread = threading.Thread(target=self._background, args=(plan, then), name=BACKGROUND_THREAD,
                                         daemon=True)
         self._thread.start()
+
+    def _adopt(self, plan: list[tuple]) -> None:
+        """Take ``plan`` as planned, with the sampler's batch buckets its steps can have (also an extend's for each
+        decode batch: a padded-attention plan leaves extends to first use)."""
+        self._planned.update(plan)
+        decode_counts = {signature[1] for signature in plan if signature[2] == 1}
+        self._sampler_buckets |= {signature[1] for signature in plan} | {
+            self.runner.step_shape(n, n, 1, 1, False)[1] for n in decode_counts}
 
     def _background(self, plan: list[tuple], then: Callable[[], None] | None) -> None:
         started = time.perf_counter()
@@ -93,7 +91,7 @@ class StepCompiler:
             for signature in order(plan):
                 if not self._when_idle():
                     return
-                if self._claim(signature) is not None:
+                if self._claim(signature):
                     try:
                         self._build(signature, "background")
                     except Exception:  # the request path meets it again, as one request's error
@@ -101,10 +99,10 @@ class StepCompiler:
                         continue
                     if signature[0] <= WARM_RUN_MAX_TOKENS:
                         self._unwarmed.append(signature)
-                self._warm_samplers(plan, upto=signature[1])
+                self._warm_samplers(upto=signature[1])
             if not self._when_idle():
                 return
-            self._warm_samplers(plan)
+            self._warm_samplers()
             if then is not None and self._when_idle():
                 then()
         finally:
@@ -150,11 +148,10 @@ class StepCompiler:
                 if compiled is not None or signature not in self._planned:
                     return compiled
                 in_progress = self._compiling.get(signature)
-            if in_progress is None:
-                if self._claim(signature) is not None:
-                    return self._build(signature, "request")
-            else:
+            if in_progress is not None:
                 in_progress.wait()
+            elif self._claim(signature):
+                return self._build(signature, "request")
 
     def count_jit(self, signature: tuple) -> None:
         """A signature jit compiles on the request path (the first time it is met)."""
@@ -177,13 +174,13 @@ class StepCompiler:
         return True
 
     # ---------------------------------------------------------------------------------- building
-    def _claim(self, signature: tuple) -> threading.Event | None:
-        """Take ``signature`` to compile: None if it is compiled or being compiled."""
+    def _claim(self, signature: tuple) -> bool:
+        """Take ``signature`` to compile: False if it is compiled or being compiled."""
         with self._lock:
             if signature in self.executables or signature in self._compiling:
-                return None
-            event = self._compiling[signature] = threading.Event()
-            return event
+                return False
+            self._compiling[signature] = threading.Event()
+            return True
 
     def _build(self, signature: tuple, origin: str) -> Any:
         try:
@@ -200,21 +197,16 @@ class StepCompiler:
             self._compiling.pop(signature).set()
         return compiled
 
-    def _warm_samplers(self, plan: list[tuple], upto: int | None = None) -> None:
-        """Compile and run the sampler at every batch bucket up to ``upto`` that the plan's steps can have (also an
-        extend's for each decode batch: a padded-attention plan leaves extends to first use)."""
+    def _warm_samplers(self, upto: int | None = None) -> None:
+        """Compile and run the sampler at every planned batch bucket up to ``upto`` not done yet."""
         if not self.executables:
             return
         # The logits' placement is part of jit's dispatch key: the sampler runs on zeros placed as every step's
         # logits are (committed; sharded over the vocabulary under tensor parallelism), or serving re-lowers it.
         logits = next(iter(self.executables.values())).out_info[1]["logits"]  # shape [B, V], dtype, placement
-        decode_counts = {signature[1] for signature in plan if signature[2] == 1}
-        buckets = {signature[1] for signature in plan} | {self.runner.step_shape(n, n, 1, 1, False)[1]
-                                                         for n in decode_counts}
-        for num_b in sorted(b for b in buckets - self._samplers if upto is None or b <= upto):
+        for num_b in sorted(b for b in self._sampler_buckets - self._samplers if upto is None or b <= upto):
             self._samplers.add(num_b)
             self.runner.run_sampler(num_b, logits)
-
 
 def order(plan: list[tuple]) -> list[tuple]:
     """The order a first workload meets shapes: fewer requests first, then fewer tokens, then shorter context."""

@@ -5,7 +5,6 @@ fetched by huggingface_hub into its usual cache (with its progress bars), or fou
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
 
@@ -45,9 +44,8 @@ def resolve_hub_model(name: str) -> Path:
         raise FileNotFoundError(f"unknown model {name!r}: not a local path, and no Hub repository {repo_id} "
                                 "(or it is private: log in with `hf auth login`, or set HF_TOKEN)") from exc
     except LocalEntryNotFoundError as exc:
-        offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         include = " ".join(f"--include '{p}'" for p in HUB_PATTERNS)
-        why = ("HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached") + \
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub could not be reached") + \
             f" and {name} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
         raise FileNotFoundError(f"{why}. Download it where the Hub is reachable: "
                                 f"`hf download {repo_id}{f' --revision {revision}' if revision else ''} {include}` "
