@@ -10,6 +10,8 @@ test_scheduler_state_machine.py checks the invariants over random runs; this fil
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -828,18 +830,44 @@ def test_without_a_share_extend_and_decode_alternate_with_whole_chunks():
     assert kinds == ["d", 16, "d", 16, "d", 16]
 
 
-def test_an_arrival_gets_half_the_budget_beside_a_prefill_under_way():
+@pytest.mark.parametrize("arrival, long_chunk", [(8, 2), (30, 5)])
+def test_an_arrivals_step_gives_the_prefill_under_way_what_the_arrival_brings_at_most_half(arrival, long_chunk):
     sched, _ = make(capacity=400, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
     p = seq(range(200), rid="p")
     sched.add(p)
     assert [step(sched).chunks for _ in range(2)] == [[32], [32]]  # alone, nothing shrinks
-    sched.add(seq(range(1000, 1008), max_new=4, rid="v"))
-    # p may take 16 token-equivalents; at 64 keys a token costs 1 + 64/32 = 3 of them: 5 tokens (15). v gets the
-    # 17 left and needs 8.
-    assert shape(step(sched)) == (False, ["p", "v"], [5, 8], [False, True])
-    assert step(sched).is_decode
-    # Beside v's decodes, p's chunk is what 32 tokens at no context cost at 69 keys: 10.
-    assert shape(step(sched))[:3] == (False, ["p"], [10])
+    sched.add(seq(range(1000, 1000 + arrival), max_new=4, rid="v"))
+    # p may take min(arrival, 16) token-equivalents; at 64 keys a token costs 1 + 64/32 = 3 of them: 8 buy 2
+    # tokens, 16 buy 5. v gets the rest of the 32 (26 or 17).
+    v_chunk = min(arrival, 32 - 3 * long_chunk)
+    assert shape(step(sched)) == (False, ["p", "v"], [long_chunk, v_chunk], [False, v_chunk == arrival])
+
+
+def test_a_short_arrival_is_owed_the_prefill_step_it_waited_for():
+    sched, _ = make(capacity=400, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
+    sched.add(seq(range(200), rid="p"))
+    sched.account(step(sched), 1.0)  # p's first chunk took 1 s ...
+    v = seq(range(1000, 1008), max_new=4, rid="v")
+    v.arrival_time = time.monotonic() - 0.4  # ... and v arrived 0.6 s into it
+    sched.add(v)
+    batch = step(sched)
+    assert shape(batch)[1] == ["p", "v"]
+    sched.account(batch, 0.1)  # v's prefill step (not one that stalled it: it ran there)
+    kinds = []
+    for _ in range(4):
+        batch = step(sched)
+        sched.account(batch, 0.1)
+        kinds.append("d" if batch.is_decode else "p")
+    assert kinds == ["d", "d", "d", "p"]  # 0.4 s owed, 0.1 s paid by its own step: three decode steps
+    # One that arrived before the step it waited for is owed only that step.
+    sched2, _ = make(capacity=400, chunk_size=32, cache="none", padded=False, prefill_share=0.5, keys_per_token=32)
+    sched2.add(seq(range(200), rid="p"))
+    sched2.account(step(sched2), 0.2)
+    w = seq(range(1000, 1008), max_new=4, rid="w")
+    w.arrival_time = time.monotonic() - 5.0
+    sched2.add(w)
+    step(sched2)
+    assert sched2._prefill_debt == pytest.approx(0.2, abs=0.01)
 
 
 def test_a_prefill_gets_the_budget_back_when_no_arrival_could_be_admitted():
@@ -881,6 +909,7 @@ def test_long_prompts_are_prefilled_one_at_a_time_so_a_short_one_behind_them_get
     assert step(sched).chunks == [32]
     p2, v = seq(range(1000, 1100), rid="p2"), seq(range(2000, 2008), max_new=4, rid="v")
     sched.add(p2), sched.add(v)
-    # p1 takes 8 (cost 16 at 32 keys); p2 would need several steps too, so it waits; v, behind it, gets in.
-    assert shape(step(sched)) == (False, ["p1", "v"], [8, 8], [False, True])
+    # p1 takes 4 (v brings 8; at 32 keys a token costs 2); p2 would need several steps too, so it waits (and does
+    # not count); v, behind it, gets in.
+    assert shape(step(sched)) == (False, ["p1", "v"], [4, 8], [False, True])
     assert sched.waiting == [p2] and len(p2.slots) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -94,6 +95,7 @@ class Scheduler:
         # wait is paid back by decode steps (``account``) before the next one. 1: prefill and decode alternate.
         self.prefill_share = prefill_share
         self._prefill_debt = 0.0  # seconds of decoding owed to the running requests
+        self._last_prefill = (0.0, 0.0)  # the last extend step's end (time.monotonic) and duration
         self.stats = SchedulerStats()
         self._last_was_extend = False
 
@@ -176,6 +178,8 @@ class Scheduler:
     def account(self, batch: Batch, seconds: float) -> None:
         """A step took ``seconds``: a prefill step that running requests waited for puts them owed decoding time
         (its share of the time is ``prefill_share``); decode steps pay it back."""
+        if not batch.is_decode:
+            self._last_prefill = (time.monotonic(), seconds)
         if batch.stalled and self.prefill_share < 1.0:
             self._prefill_debt += seconds * (1.0 - self.prefill_share) / self.prefill_share
         elif batch.is_decode or not batch.stalled:
@@ -249,13 +253,13 @@ class Scheduler:
             return self.attention_bytes(items, max_new, max_len) <= self.attention_budget_bytes
 
         # A prefill under way is what stalls others: beside decodes or arrivals its chunk shrinks as its context
-        # grows (the step's cost stays that of ``budget`` short-context tokens), and arrivals get half the budget.
+        # grows (the step's cost stays that of ``budget`` short-context tokens), and arrivals get the rest.
         fair = mixed or self.prefill_share < 1.0
         shrink = fair and (mixed or admitting or bool(self.running))
-        continuing = budget // 2 if fair and admitting else budget
         # Long prompts are prefilled one at a time: while one is under way, a prompt that needs several steps too
         # waits, so those behind it (a short request) are not held up by each in turn.
         long_under_way = fair and any(s.num_tokens - s.num_computed > self.chunk_size for s in self.prefilling)
+        continuing = self._beside_arrivals(budget, long_under_way) if fair and admitting else budget
         continued: list[int] = []  # rows of prefills under way
         for seq in list(self.prefilling):
             if continuing <= 0 or seq not in self.prefilling:  # (retracted by an older one, below)
@@ -323,6 +327,28 @@ class Scheduler:
         self.stats.computed_prefill_tokens += sum(chunks[base:])
         return Batch(False, seqs, chunks)
 
+    def _beside_arrivals(self, budget: int, long_under_way: bool) -> int:
+        """The budget of the prefills under way in a step that admits arrivals: half, and no more than the arrivals
+        bring, so a short request's first step costs about twice what it alone would (the whole budget when no
+        arrival would be admitted)."""
+        half, arriving = budget // 2, 0
+        for seq in self.waiting[:MAX_DEFERRED_SCAN]:
+            new = seq.num_tokens - self.cache.match_len(seq.token_ids[:seq.num_tokens - 1])
+            if long_under_way and new > self.chunk_size:
+                continue  # held behind the long prefill (below)
+            arriving += new
+            if arriving >= half:
+                return half
+        return arriving or budget
+
+    def _owe_the_wait(self, seq: Sequence) -> None:
+        """A request that arrived during a prefill step waited for it as running requests do: it is owed its share
+        of decoding (``account``), so a short request is not stalled again by the next chunk."""
+        end, seconds = self._last_prefill
+        waited = end - max(seq.arrival_time, end - seconds)
+        if waited > 0 and self.prefill_share < 1.0:
+            self._prefill_debt = max(self._prefill_debt, waited * (1.0 - self.prefill_share) / self.prefill_share)
+
     def _admit(self, seq: Sequence, chunk: int, seqs: list[Sequence], chunks: list[int], fits: Any) -> bool:
         """Add a waiting sequence (its prefix matched) to the extend batch being built, or release it: False."""
         if not fits(seq, chunk) or not self.grow(seq, seq.num_computed + chunk):
@@ -330,6 +356,8 @@ class Scheduler:
             return False
         if not seq.admitted:
             seq.admitted = True
+            if seq.num_computed + chunk == seq.num_tokens:  # its whole prefill in this step
+                self._owe_the_wait(seq)
             seq.cached_tokens_reported = seq.num_cached
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_tokens += seq.num_cached
