@@ -204,7 +204,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, limits=limits,
-          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+          timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+          metrics=not args.disable_metrics)
     return 0
 
 
@@ -269,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="uvicorn: seconds an idle keep-alive connection stays open (default: %(default)s)")
     serve.add_argument("--limit-concurrency", type=int, default=None,
                        help="uvicorn: most open connections (503 beyond) (default: no limit)")
+    serve.add_argument("--disable-metrics", action="store_true",
+                       help="no Prometheus metrics at /metrics (default: off, i.e. metrics on)")
+    serve.add_argument("--enable-metrics", action="store_true",
+                       help="SGLang's flag, accepted: metrics are on unless --disable-metrics (default: on)")
     add_engine_args(serve)
     serve.add_argument("--dry-run", action="store_true",
                        help="print the memory plan (weights, activations, KV slots per device) and exit "

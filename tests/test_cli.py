@@ -58,6 +58,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
                      "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
     "bench startup": (["bench", "startup", "--quick", "--modes", "common"], None),  # two fresh processes
+    "bench metrics": (["bench", "metrics", "--quick"], None),
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
@@ -212,6 +213,14 @@ def test_bench_startup(results):
                       r"\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\d+)$", out, re.M)
     assert [r[0] for r in rows] == ["cold", "warm"] and all(r[2:] == ("0", "0") for r in rows), out
     assert "greedy outputs the same in every row and round: True" in out, out
+
+
+def test_bench_metrics(results):
+    """Both rows measured, and the hooks' cost printed as a share of the step."""
+    out, _ = finished(results, "bench metrics")
+    assert re.search(r"^on\s+[\d.]+$", out, re.M) and re.search(r"^off\s+[\d.]+$", out, re.M), out
+    assert re.search(r"on/off: [\d.]+\nthe hooks alone: [\d.]+ us per decode step of 4 \([\d.]+% of the step\); "
+                     r"one /metrics scrape: [\d.]+ ms", out), out
 
 
 def test_bench_radix(results):

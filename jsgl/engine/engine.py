@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -27,6 +28,7 @@ from jsgl.engine.handle import RequestHandle
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.mailbox import Mailbox
 from jsgl.engine.memory import plan_memory, resolve_dtypes
+from jsgl.engine.metrics import EngineMetrics
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import CPU_OVERLAP_MAX_BATCH, OverlapScheduler
@@ -123,6 +125,7 @@ class Engine:
         self.loop = EngineLoop(cfg, self.mailbox, self.scheduler, self.runner, self.prefix_cache, self.constraints,
                                self.outputs, overlap)
         self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
+        self._metrics_lock = threading.Lock()
         self.loop.start()
 
     def _precompile(self) -> float:
@@ -287,7 +290,18 @@ class Engine:
             "free_slots": self.allocator.num_free(), "total_slots": self.allocator.capacity,
             "mean_batch_size": s.batched_requests / s.steps if s.steps else 0.0,
             "decode_time_s": loop.step_time["decode"], "extend_time_s": loop.step_time["extend"],
+            # (lengths read from the caller's thread: a moment's view)
+            "running_requests": len(self.scheduler.prefilling) + len(self.scheduler.running),
+            "queued_requests": len(self.scheduler.waiting) + len(loop.pending) + self.mailbox.num_queued(),
         }
+
+    def enable_metrics(self, model_name: str | None = None) -> EngineMetrics:
+        """Turn on Prometheus metrics (``engine/metrics.py``; the server's ``/metrics``): the same object on every
+        call. Latencies are observed from here on; counters read from ``stats()`` cover the engine's life."""
+        with self._metrics_lock:
+            if self.loop.metrics is None:
+                self.loop.metrics = EngineMetrics(self.stats, model_name or self.config.model)
+            return self.loop.metrics
 
     def _compile_stats(self) -> dict[str, Any]:
         """Step shapes compiled (distinct signatures): at start, in the background (and its seconds, None while

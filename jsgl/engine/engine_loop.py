@@ -17,6 +17,7 @@ from typing import Any
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.mailbox import Mailbox
+from jsgl.engine.metrics import EngineMetrics
 from jsgl.engine.model_runner import ModelRunner, PendingStep
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import Overlapped, OverlapScheduler
@@ -51,6 +52,7 @@ class EngineLoop:
         self._inflight: Overlapped | None = None  # a decode step dispatched before the last one was read back
         self.forward_passes = 0
         self.step_time = {"decode": 0.0, "extend": 0.0}
+        self.metrics: EngineMetrics | None = None  # Engine.enable_metrics
         self.reset_hit_rate_window()
         self._thread = threading.Thread(target=self.run, name="jsgl-engine", daemon=True)
 
@@ -164,6 +166,8 @@ class EngineLoop:
         return batch
 
     def _absorb(self, batch: Batch, rows: list[int], results: list[Any]) -> None:
+        metrics = self.metrics
+        now = time.monotonic() if metrics is not None else 0.0
         for i, result in zip(rows, results):
             seq = batch.seqs[i]
             if result is None:
@@ -174,6 +178,8 @@ class EngineLoop:
             except Exception:
                 self._fail_one(seq, "processing its sampled token")
                 continue
+            if metrics is not None:
+                metrics.tokens(seq, now)
             if publish:
                 if seq.finished:  # free KV before waking the caller, so "done" implies "released"
                     self.retire(seq)
@@ -297,6 +303,8 @@ class EngineLoop:
     def retire(self, seq: Sequence) -> None:
         """Release a finished request: its KV (to the cache or the allocator), its constraint build, its id."""
         self.distinct.add_generated(seq.token_ids)  # the cache keeps the output too: later prompts may reuse it
+        if self.metrics is not None:
+            self.metrics.finished(seq, time.monotonic())
         self.scheduler.drop(seq)
         release_constraints([seq])
         self.mailbox.retire(seq.rid)

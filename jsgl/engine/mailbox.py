@@ -83,6 +83,11 @@ class Mailbox:
         with self._lock:
             return bool(self._requests)
 
+    def num_queued(self) -> int:
+        """How many requests were posted that the engine thread has not taken yet."""
+        with self._lock:
+            return len(self._requests)
+
     def get(self, rid: str) -> Sequence | None:
         with self._lock:
             return self._live.get(rid)

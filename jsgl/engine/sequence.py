@@ -59,6 +59,11 @@ class Sequence:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     output: GenerateOutput | None = None
     published_tokens: int = 0  # output tokens covered by the chunks published so far
+    # Latency metrics (engine/metrics.py, when enabled): when its first and latest output tokens came out.
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    metrics_tokens: int = 0  # output tokens counted so far
+    metrics_counted: bool = False  # its finish counted
 
     @property
     def token_ids(self) -> list[int]:

@@ -5,7 +5,7 @@
 
 Endpoints: POST /generate, /tokenize, /v1/completions, /v1/chat/completions, /flush_cache,
 /abort_request, /concate_and_append_request; GET /v1/models, /v1/models/{id}, /get_model_info,
-/get_server_info (= /server_info), /health, /health_generate. With an API key every
+/get_server_info (= /server_info), /metrics (Prometheus), /health, /health_generate. With an API key every
 endpoint but /health wants `Authorization: Bearer <key>`. Errors are `{"error": {"message", "type",
 "param", "code"}}`: 400 for bad input, 401 for a bad key, 500 when generation itself fails.
 """
@@ -25,7 +25,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -159,6 +160,14 @@ def _install_admin_routes(app: FastAPI) -> None:
                 "active_requests": len(state.registry),
                 "client_aborts": state.registry.client_aborts, "idle": engine.idle(), "version": _version()}
 
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus' text format (engine/metrics.py): SGLang's metric names; 404 with --disable-metrics."""
+        exporter = server_state(request).metrics
+        if exporter is None:
+            raise APIError("metrics are off on this server (--disable-metrics)", status=404, type_="not_found_error")
+        return Response(await asyncio.to_thread(exporter.exposition), media_type=CONTENT_TYPE_LATEST)
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> dict[str, Any]:
         _require_admin(request, "flushing the cache")
@@ -204,8 +213,9 @@ def _version() -> str:
 
 
 def create_app(engine: Any, api_key: str | None = None, model_name: str | None = None,
-               owns_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
-    """The ASGI app over a running Engine; with `owns_engine` it shuts the engine down on app shutdown."""
+               owns_engine: bool = False, limits: ServerLimits | None = None, metrics: bool = True) -> FastAPI:
+    """The ASGI app over a running Engine; with `owns_engine` it shuts the engine down on app shutdown; with
+    `metrics` it turns on the engine's Prometheus metrics and serves them at /metrics."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -216,8 +226,9 @@ def create_app(engine: Any, api_key: str | None = None, model_name: str | None =
 
     app = FastAPI(title="jsgl", version=_version(), lifespan=lifespan)
     limits = limits or ServerLimits()
-    app.state.jsgl = ServerState(engine=engine, model_name=model_name or engine.config.model, api_key=api_key,
-                                 limits=limits)
+    name = model_name or engine.config.model
+    app.state.jsgl = ServerState(engine=engine, model_name=name, api_key=api_key, limits=limits,
+                                 metrics=engine.enable_metrics(name) if metrics else None)
     _install_error_handlers(app)
     _install_admin_routes(app)
     app.include_router(generate_api.router)
@@ -231,7 +242,7 @@ def create_app(engine: Any, api_key: str | None = None, model_name: str | None =
 
 def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
           log_level: str | None = None, limits: ServerLimits | None = None, timeout_keep_alive: int = 5,
-          limit_concurrency: int | None = None) -> None:
+          limit_concurrency: int | None = None, metrics: bool = True) -> None:
     """Load the engine and serve until SIGINT/SIGTERM (uvicorn's graceful shutdown, then the engine's)."""
     import uvicorn
 
@@ -240,7 +251,7 @@ def serve(engine_config: Any, host: str = "127.0.0.1", port: int = 30000, api_ke
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach the port can use the model", host)
     engine = Engine(config=engine_config)
-    app = create_app(engine, api_key=api_key, owns_engine=True, limits=limits)
+    app = create_app(engine, api_key=api_key, owns_engine=True, limits=limits, metrics=metrics)
     print(f"jsgl: serving {engine_config.model} at http://{host}:{port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level or os.environ.get("JSGL_LOG_LEVEL", "warning"),
                 timeout_graceful_shutdown=5, timeout_keep_alive=timeout_keep_alive,

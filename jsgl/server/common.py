@@ -33,6 +33,7 @@ class ServerState:
     limits: ServerLimits = dataclasses.field(default_factory=ServerLimits)
     registry: RequestRegistry = dataclasses.field(default_factory=RequestRegistry)
     started_at: float = dataclasses.field(default_factory=time.time)
+    metrics: Any = None  # the engine's EngineMetrics behind /metrics (None: --disable-metrics)
     token_text: Callable[[int], str] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
