@@ -65,6 +65,7 @@ REQUIRED = (
     "forced_start", "finish_length", "finish_stop", "finish_prefill_only", "abort_waiting", "abort_prefilling",
     "abort_running", "step_failed_one", "step_failed_in_absorb", "step_failed_all", "step_failed_all_lost_kv",
     "flush", "drained", "fair_share", "fair_mixed", "stalled_extend", "mixed_step", "repaid_decode",
+    "preemption",
 )
 
 
@@ -169,7 +170,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.retracted.add(seq)
             retract(seq)
 
+        preempt = self.sched._preempt_for
+
+        def observed_preempt(seq: Sequence) -> bool:
+            done = preempt(seq)
+            if done:
+                count("preemption")
+            return done
+
         self.sched._shared_uncached = observed_shares
+        self.sched._preempt_for = observed_preempt
         self.sched.retract = observed_retract
         self._clean = True
 
@@ -189,7 +199,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_new = max(0, min(max_new, capacity - len(prompt)))
         n = len(self.requests)
         seq = Sequence(
-            rid=f"r{n}", prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+            # Some of a higher priority (they may preempt others): every invariant holds with preemption too.
+            rid=f"r{n}", prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=max_new, ignore_eos=True,
+                                                                       priority=(n % 5 == 4) + (n % 7 == 6)),
             detok=IncrementalDetokenizer(FAKE_TOKENIZER, []), seed=n,
             stop_ids=set() if stop is None else {stop}, arrival_time=float(n))
         if 0 < forced_start <= max_new and len(prompt) + forced_start < self.sched.token_limit:

@@ -913,3 +913,51 @@ def test_long_prompts_are_prefilled_one_at_a_time_so_a_short_one_behind_them_get
     # not count); v, behind it, gets in.
     assert shape(step(sched)) == (False, ["p1", "v"], [4, 8], [False, True])
     assert sched.waiting == [p2] and len(p2.slots) == 0
+
+
+# ----------------------------------------------------------------------------------------------- priorities
+def test_without_priorities_nothing_changes_and_higher_ones_are_admitted_first_in_policy_order():
+    sched, _ = make(max_running=8, cache="none", padded=False)
+    for i, prio in enumerate([0, 2, 0, 2, 1]):
+        sched.add(seq(range(10 * i, 10 * i + 4), rid=f"r{i}p{prio}", arrival=float(i), priority=prio))
+    assert shape(step(sched))[1] == ["r1p2", "r3p2", "r4p1", "r0p0", "r2p0"]  # stable within a priority
+    plain, _ = make(max_running=8, cache="none", padded=False)
+    for i in range(3):
+        plain.add(seq(range(10 * i, 10 * i + 4), rid=f"r{i}", arrival=float(i)))
+    assert shape(step(plain))[1] == ["r0", "r1", "r2"] and plain.stats.preemptions == 0
+
+
+def test_a_higher_priority_preempts_the_lowest_newest_running_request_at_max_running():
+    sched, _ = make(max_running=2, cache="none")
+    low_old, low_new = seq(range(4), rid="low-old", arrival=0.0), seq(range(10, 14), rid="low-new", arrival=1.0)
+    sched.add(low_old), sched.add(low_new)
+    step(sched)
+    assert step(sched).is_decode and len(sched.running) == 2
+    same = seq(range(20, 24), rid="same", arrival=2.0)
+    sched.add(same)
+    assert step(sched).is_decode and sched.stats.preemptions == 0  # no higher priority: it waits
+    high = seq(range(30, 34), rid="high", arrival=3.0, priority=1)
+    sched.add(high)
+    batch = step(sched)
+    assert shape(batch)[1] == ["high"] and sched.stats.preemptions == 1
+    assert [s.rid for s in sched.running] == ["low-old", "high"]
+    assert [s.rid for s in sched.waiting] == ["low-new", "same"] and len(low_new.slots) == 0
+
+
+def test_a_higher_priority_short_of_kv_takes_a_lower_ones_slots():
+    sched, alloc = make(capacity=24, cache="none", chunk_size=32)
+    low = seq(range(16), rid="low", max_new=20)
+    sched.add(low)
+    step(sched)
+    step(sched)
+    high = seq(range(100, 116), rid="high", priority=5)
+    sched.add(high)
+    batch = step(sched)  # 16 slots needed, 7 free: low (priority 0) is retracted for it
+    assert shape(batch)[1] == ["high"] and sched.stats.preemptions == 1
+    assert sched.waiting == [low] and len(low.slots) == 0
+    equal = seq(range(200, 216), rid="equal", priority=5)
+    sched.add(equal)
+    while not (batch := step(sched)).is_decode:
+        pass
+    assert sched.stats.preemptions == 1 and equal in sched.waiting  # an equal priority waits its turn
+    assert_pool_accounted(sched, alloc)

@@ -60,6 +60,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = None  # stream a chunk every this many tokens (None: every token)
+    # Scheduling (SGLang's request-level `priority`): higher first; a waiting request may preempt running ones of
+    # a lower priority. All 0 (the default): no request goes before another.
+    priority: int = 0
     # Accepted as SGLang does: read only by custom logit processors, which jsgl does not load.
     custom_params: dict[str, Any] | None = None
     # SGLang fields jsgl cannot honour: accepted at their defaults, a 400 naming them otherwise.
@@ -141,6 +144,8 @@ class SamplingParams:
               f"sampling_seed must be a 64-bit integer, got {self.sampling_seed!r}")
         check(self.stream_interval is None or (is_int(self.stream_interval) and self.stream_interval >= 1),
               "stream_interval must be a positive integer")
+        check(is_int(self.priority) and -2**31 <= self.priority < 2**31,
+              f"priority must be a 32-bit integer, got {self.priority!r}")
         check(is_int(self.top_logprobs_num) and self.top_logprobs_num >= 0, "top_logprobs_num must be >= 0")
         check(is_int(self.logprob_start_len), "logprob_start_len must be an integer")
         grammars = [g for g in ("regex", "json_schema", "ebnf", "structural_tag") if getattr(self, g) is not None]

@@ -56,6 +56,7 @@ class SchedulerStats:
     decode_steps: int = 0
     batched_requests: int = 0  # summed over steps (a running total: a per-step list grew with uptime)
     retractions: int = 0
+    preemptions: int = 0  # retractions for a waiting request of a higher priority (counted in retractions too)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_prefill_tokens: int = 0
@@ -275,6 +276,11 @@ class Scheduler:
             continuing -= cost
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
+        if any(seq.params.priority for seq in self.waiting):
+            first = max(self.waiting, key=lambda s: s.params.priority)
+            while not mixed and self.num_active() >= self.max_running and self._preempt_for(first):
+                pass
+            self.waiting.sort(key=lambda s: -s.params.priority)  # stable: the policy's order within a priority
         deferred: list[Sequence] = []
         held: list[Sequence] = []  # long prompts behind the long prefill under way
         while self.waiting and budget > 0 and self.num_active() < self.max_running:
@@ -297,6 +303,12 @@ class Scheduler:
             chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget, mixed))
             if not self._admit(seq, chunk, seqs, chunks, fits):
                 self.waiting.insert(0, seq)
+                # (Not in a mixed step: the running requests are in it.)
+                below = not mixed and any(s.params.priority < seq.params.priority for s in self.running)
+                if below and fits(seq, chunk) and self._preempt_for(seq):  # short of KV: a lower one gives its own
+                    self.waiting.remove(seq)
+                    self.waiting.insert(0, seq)  # (before the retracted one, which went to the front)
+                    continue
                 break
             budget -= self._cost(seq, chunk, mixed)
         # Budget left over while requests wait only for a prefix this step computes: fill it with those that share
@@ -381,9 +393,20 @@ class Scheduler:
             longest = max(longest, common - seq.num_cached)
         return longest
 
+    def _preempt_for(self, seq: Sequence) -> bool:
+        """Retract the running request of the lowest priority (the newest of those) if it is below ``seq``'s."""
+        if not self.running:
+            return False
+        victim = min(self.running, key=lambda s: (s.params.priority, -s.arrival_time))
+        if victim.params.priority >= seq.params.priority:
+            return False
+        self.retract(victim)
+        self.stats.preemptions += 1
+        return True
+
     def _schedule_decode(self) -> Batch | None:
-        # Newest first out when memory runs short, so older requests keep making progress.
-        self.running.sort(key=lambda s: s.arrival_time)
+        # Lowest priority, then newest, first out when memory runs short, so older requests keep making progress.
+        self.running.sort(key=lambda s: (-s.params.priority, s.arrival_time))
         while self.running:
             short = [s for s in self.running if len(s.slots) < s.num_tokens]
             if all(self.grow(s, s.num_tokens) for s in short):

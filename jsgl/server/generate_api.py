@@ -116,10 +116,13 @@ def _engine_params(state: ServerState, req: GenerateRequest, n: int) -> list[Sam
     logprob = _per_item(req.return_logprob, n, "return_logprob")
     start = _per_item(req.logprob_start_len, n, "logprob_start_len")
     top = _per_item(req.top_logprobs_num, n, "top_logprobs_num")
+    priority = _per_item(req.priority, n, "priority")
     out = []
-    for sp, lp, st, tp in zip(sampling, logprob, start, top, strict=True):
+    for sp, lp, st, tp, pr in zip(sampling, logprob, start, top, priority, strict=True):
         # Unset and null fields take the engine's defaults (SamplingParams.from_any drops the nulls).
         params = sp.model_dump(exclude_unset=True)
+        if pr is not None:
+            params["priority"] = pr
         check_max_tokens(state, params.get("max_new_tokens") or 0, "max_new_tokens")
         lp = bool(lp)
         params.update(return_logprob=lp, logprob_start_len=(-1 if st is None else st) if lp else -1,

@@ -106,6 +106,7 @@ class GenerateRequest(_ValidUnicode, _Strict):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams | list[GenerateSamplingParams] | None = None
     rid: str | list[str] | None = None
+    priority: int | list[int] | None = None  # SGLang's; also taken inside sampling_params (this one wins)
     return_logprob: bool | list[bool] | None = False
     logprob_start_len: int | list[int] | None = -1
     top_logprobs_num: int | list[int] | None = 0
