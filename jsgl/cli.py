@@ -209,7 +209,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+def config_runner_args(argv: list[str]) -> list[str]:
+    """What follows `bench` but `--config FILE`: the config runner's own flags as written (argparse reads the
+    value of `--json PATH` as the positional benchmark name)."""
+    out, skip = [], False
+    for token in argv[argv.index("bench") + 1:]:
+        if skip or token == "--config" or token.startswith("--config="):
+            skip = token == "--config"
+            continue
+        out.append(token)
+    return out
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     import importlib
     import importlib.util
 
@@ -219,11 +231,12 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             return 0
         rest = [*rest, "--help"]
     if args.config:  # an ablation grid from a file (experiments/configs/*.toml)
-        if args.which:
+        runner_args = config_runner_args(argv)
+        if runner_args[:1] == [args.which]:  # a name given first, not a flag's value
             raise SystemExit("jsgl bench: give a benchmark name or --config FILE, not both")
         from jsgl.experiments.config_runner import main as run_config_file
 
-        return run_config_file([args.config, *rest]) or 0
+        return run_config_file([args.config, *runner_args]) or 0
     if not args.which:
         raise SystemExit("jsgl bench: name a benchmark (e.g. decode, radix, workloads) or give --config FILE")
     name = f"jsgl.experiments.bench_{args.which}"
@@ -307,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_gpu_allocator()  # before JAX starts: a GPU's allocator must hold mem_fraction of the device
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(args, rest, argv)
     if args.command == "figures":
         from jsgl.experiments.figures import main as figures_main
 

@@ -184,8 +184,24 @@ def test_jsgl_help_lists_each_command_on_a_line(monkeypatch):
 
 def test_jsgl_bench_help_without_a_name_is_its_own(capsys):
     args, rest = cli.build_parser().parse_known_args(["bench", "--help"])
-    assert cli.cmd_bench(args, rest) == 0
+    assert cli.cmd_bench(args, rest, ["bench", "--help"]) == 0
     assert "--config FILE" in capsys.readouterr().out
+
+
+def test_a_config_runs_with_its_flags_as_written_and_a_name_beside_it_is_refused(monkeypatch):
+    from jsgl.experiments import config_runner
+
+    calls = []
+    monkeypatch.setattr(config_runner, "main", lambda argv: calls.append(argv) or 0)
+    for argv in (["bench", "--config", "fig8ab_hit_rate.toml", "--json", "out.json", "--programs", "2"],
+                 ["bench", "--json", "out.json", "--config=fig8ab_hit_rate.toml", "--quick"]):
+        args, rest = cli.build_parser().parse_known_args(argv)  # argparse took out.json for a benchmark's name
+        assert cli.cmd_bench(args, rest, argv) == 0
+    assert calls == [["fig8ab_hit_rate.toml", "--json", "out.json", "--programs", "2"],
+                     ["fig8ab_hit_rate.toml", "--json", "out.json", "--quick"]]
+    argv = ["bench", "decode", "--config", "fig8ab_hit_rate.toml"]
+    with pytest.raises(SystemExit, match="not both"):
+        cli.cmd_bench(*cli.build_parser().parse_known_args(argv), argv)
 
 
 def test_generate(results):

@@ -107,3 +107,34 @@ def test_the_cli_takes_an_id_with_the_environment_offline(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "jsgl.cli", "generate", "Hello", "--model", "org/absent"],
                              env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "hf download org/absent" in missing.stderr, missing.stderr[-2000:]
+
+
+def test_a_memory_plan_by_id_fetches_the_config_alone(tmp_path, monkeypatch):
+    """`jsgl serve --dry-run --model org/name` reads config.json only: the weights are not downloaded for it."""
+    import huggingface_hub
+
+    from jsgl.engine.memory import load_config
+
+    source = tmp_path / "source"
+    build_checkpoint("qwen2", source)
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        asked.append((repo_id, allow_patterns))
+        snapshot = tmp_path / "snapshot"
+        snapshot.mkdir(exist_ok=True)
+        for pattern in allow_patterns:
+            for file in source.glob(pattern):
+                (snapshot / file.name).write_bytes(file.read_bytes())
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    resolve_hub_model.cache_clear()
+    try:
+        config = load_config("jsgl-test/tiny-qwen")
+        assert asked == [("jsgl-test/tiny-qwen", ["config.json"])] and config.architecture
+        assert not list((tmp_path / "snapshot").glob("*.safetensors"))
+        resolve_model_path("jsgl-test/tiny-qwen")  # the engine's load asks for everything
+        assert asked[1] == ("jsgl-test/tiny-qwen", HUB_PATTERNS)
+    finally:
+        resolve_hub_model.cache_clear()

@@ -94,8 +94,9 @@ class MemoryPlan:
 
 
 def load_config(model: str | os.PathLike) -> ModelConfig:
-    """The model's config alone (an HF folder's config.json, or a GGUF's metadata): no tensor is read."""
-    path = resolve_model_path(model)
+    """The model's config alone (an HF folder's config.json, or a GGUF's metadata): no tensor is read (nor, for a
+    Hub id, downloaded)."""
+    path = resolve_model_path(model, config_only=True)
     if path.is_dir():
         return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
     import gguf

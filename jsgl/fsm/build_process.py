@@ -80,7 +80,10 @@ class BuildProcess:
         return None if self._proc is None else self._proc.pid
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # Its own session: a Ctrl-C (or a notebook's interrupt) is for the parent; the child exits when its stdin
+        # closes (the parent went away).
+        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      start_new_session=True)
         self._fingerprint = None
         self._pending, self._booting = 1, True
 

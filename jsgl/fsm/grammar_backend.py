@@ -152,7 +152,8 @@ class JsglGrammarBackend(GrammarBackend):
     def check(self, spec: GrammarSpec) -> None:
         if spec.kind not in self.kinds:
             raise InvalidRequestError(f"{spec.kind} needs the llguidance grammar backend: start the server with "
-                                      "--grammar-backend llguidance (pip install llguidance)")
+                                      "--grammar-backend llguidance, or Engine(grammar_backend=\"llguidance\") "
+                                      "(pip install llguidance)")
 
     def compile(self, spec: GrammarSpec) -> Future[TokenIndex]:
         self.check(spec)

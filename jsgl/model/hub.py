@@ -21,9 +21,10 @@ def is_hub_id(name: str) -> bool:
 
 
 @functools.lru_cache(maxsize=64)  # one resolution a process: the loader, tokenizer and memory plan each ask
-def resolve_hub_model(name: str) -> Path:
+def resolve_hub_model(name: str, config_only: bool = False) -> Path:
     """The snapshot folder of Hub model ``name`` (``org/name[@revision]``), downloaded into the Hugging Face cache
-    if it is not there; offline, the cached one or a FileNotFoundError that says what to download."""
+    if it is not there; offline, the cached one or a FileNotFoundError that says what to download. ``config_only``:
+    its config.json alone (a memory plan reads nothing else)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -33,8 +34,9 @@ def resolve_hub_model(name: str) -> Path:
     )
 
     repo_id, _, revision = name.partition("@")
+    patterns = ["config.json"] if config_only else HUB_PATTERNS
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
     except GatedRepoError as exc:
         raise FileNotFoundError(f"{repo_id} is gated on the Hub: accept its terms on huggingface.co and log in "
                                 "(`hf auth login`, or HF_TOKEN)") from exc
@@ -44,7 +46,7 @@ def resolve_hub_model(name: str) -> Path:
         raise FileNotFoundError(f"unknown model {name!r}: not a local path, and no Hub repository {repo_id} "
                                 "(or it is private: log in with `hf auth login`, or set HF_TOKEN)") from exc
     except LocalEntryNotFoundError as exc:
-        include = " ".join(f"--include '{p}'" for p in HUB_PATTERNS)
+        include = " ".join(f"--include '{p}'" for p in patterns)
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub could not be reached") + \
             f" and {name} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
         raise FileNotFoundError(f"{why}. Download it where the Hub is reachable: "

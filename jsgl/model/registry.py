@@ -29,15 +29,16 @@ def _smollm2_gguf() -> Path:
 ALIASES = {"smollm2-135m": _smollm2_gguf, "smollm2-135m-instruct": _smollm2_gguf}
 
 
-def resolve_model_path(model: str | os.PathLike) -> Path:
+def resolve_model_path(model: str | os.PathLike, config_only: bool = False) -> Path:
     """An alias, a .gguf file, an HF folder (config.json + *.safetensors), or a Hub id (``org/name[@revision]``,
-    when no such local path exists: its snapshot in the Hugging Face cache) -> a path that exists."""
+    when no such local path exists: its snapshot in the Hugging Face cache; ``config_only``: with config.json
+    alone) -> a path that exists."""
     name = str(model)
     if name.lower() in ALIASES:
         return ALIASES[name.lower()]()
     path = Path(name).expanduser()
     if not path.exists() and is_hub_id(name):
-        path = resolve_hub_model(name)
+        path = resolve_hub_model(name, config_only)
     if not path.exists():
         raise FileNotFoundError(
             f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), a Hub id (org/name[@revision]) or a "
