@@ -28,7 +28,11 @@ In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). 
   completion tokens over wall s.
 - TTFT: from a request's submission to its first streamed chunk (text held back while it may still become
   a stop string arrives later). TPOT: (finish - first chunk) / (completion tokens - 1), for requests with
-  at least 2 tokens. p50/p99 over the run's requests.
+  at least 2 tokens. p50/p99 over the run's requests. ITL: the gaps between a request's consecutive chunks that
+  carried tokens, as a streaming client sees them, p50/p99 over all gaps of the run.
+- `--mixed-prefill-tokens N`: the same arrivals, cold and warm, on a second engine whose decode steps carry up to
+  N prefill tokens (mixed steps), beside the first: ITL p99 and output tokens/s as on/off ratios of the warm runs,
+  and whether every greedy output is the same.
 - compiles: XLA compiles during the run, of any jitted function (step shapes, the sampler, small host-side
   jits), loads from the persistent cache included: JAX's monitoring events. Each is a stall: a step shape's
   lowering alone takes ~0.1-0.5 s here.
@@ -106,6 +110,10 @@ class Timing:
     first: float | None = None
     finish: float | None = None
     tokens: int = 0
+    last: float | None = None  # when the latest chunk with new tokens came
+    seen: int = 0  # tokens streamed so far
+    gaps: list[float] = field(default_factory=list)  # between consecutive chunks that carried tokens
+    text: str = ""
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -157,9 +165,14 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
             now = time.perf_counter()
             if t.first is None and chunk.token_ids:
                 t.first = now
+            if len(chunk.token_ids) > t.seen:
+                if t.last is not None:
+                    t.gaps.append(now - t.last)
+                t.last, t.seen = now, len(chunk.token_ids)
             if chunk.finished:
                 t.first = t.first or now
                 t.finish, t.tokens = now, chunk.output.completion_tokens if chunk.output else len(chunk.token_ids)
+                t.text = chunk.output.text if chunk.output else ""
                 t.done.set()
         return on_chunk
 
@@ -176,6 +189,7 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
     wall = max(t.finish for t in timings) - t0
     ttft = [t.first - t.submit for t in timings]
     tpot = [(t.finish - t.first) / (t.tokens - 1) for t in timings if t.tokens > 1]
+    itl = [gap for t in timings for gap in t.gaps]
     tokens = sum(t.tokens for t in timings)
 
     def pct(xs: list[float], q: float) -> float:
@@ -183,7 +197,8 @@ def run_workload(engine: Any, work: list[tuple[str, str, dict]], arrivals: list[
 
     return {"wall_s": wall, "req_per_s": len(work) / wall, "output_tokens": tokens, "out_tok_per_s": tokens / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_s": pct(tpot, 50),
-            "tpot_p99_s": pct(tpot, 99), "compiled": compiles.since(before)}
+            "tpot_p99_s": pct(tpot, 99), "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "compiled": compiles.since(before), "texts": [t.text for t in timings]}
 
 
 def bench_workloads(engine: Any, quick: bool, later_runs: int, compiles: XlaCompiles) -> dict[str, dict]:
@@ -268,16 +283,22 @@ def print_table(startup: dict, precompile: str, runs: dict[str, dict], workloads
                   f"{w['first_over_later']:11.2f} [{ratios}] {w['first_compiles']:>4} {w['later_compiles']:>4}")
             if w["compiled"]:
                 print(f"{'':<12} compiled: {', '.join(w['compiled'])}")
-    print(f"{'run':<6} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9} {'compiles':>8}")
+    print(f"{'run':<11} {'wall s':>7} {'req/s':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>9} {'ITL p99':>9} {'compiles':>8}")
     for name, r in runs.items():
-        print(f"{name:<6} {r['wall_s']:7.2f} {r['req_per_s']:6.2f} {r['out_tok_per_s']:9.1f} "
+        print(f"{name:<11} {r['wall_s']:7.2f} {r['req_per_s']:6.2f} {r['out_tok_per_s']:9.1f} "
               f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:7.0f}ms {r['tpot_p50_s'] * 1e3:7.1f}ms "
-              f"{r['tpot_p99_s'] * 1e3:7.1f}ms {len(r['compiled']):>8}")
+              f"{r['tpot_p99_s'] * 1e3:7.1f}ms {r['itl_p50_s'] * 1e3:7.1f}ms {r['itl_p99_s'] * 1e3:7.1f}ms "
+              f"{len(r['compiled']):>8}")
     for name, r in runs.items():
         if r["compiled"]:
             print(f"{name} run compiled: {', '.join(sorted(set(r['compiled'])))}")
     print(f"cold/warm wall ratio: {runs['cold']['wall_s'] / runs['warm']['wall_s']:.2f}")
+    if "warm+mixed" in runs:
+        off, on = runs["warm"], runs["warm+mixed"]
+        print(f"mixed steps, warm runs (on/off): ITL p99 {on['itl_p99_s'] / off['itl_p99_s']:.2f}, "
+              f"out tok/s {on['out_tok_per_s'] / off['out_tok_per_s']:.2f}; "
+              f"greedy outputs identical: {on['texts'] == off['texts']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--later-runs", type=int, default=None, help="runs after the first (default 3; --quick: 1)")
     ap.add_argument("--skip-workloads", action="store_true",
                     help="only the mixed arrivals, not the first/later runs of the other benches' workloads")
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=0,
+                    help="also run the arrivals on an engine with mixed steps of this many prefill tokens, and "
+                         "compare (default 0: not)")
     ap.add_argument("--model", default=None, help="default: the engine's default model")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every part")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -335,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         if not engine.flush_cache():
             print("warning: flush_cache refused (requests still queued)", file=sys.stderr)
         runs["warm"] = run_workload(engine, work, arrivals, compiles)
+        if args.mixed_prefill_tokens:  # the same arrivals with prefill chunks riding in the decode steps
+            engine.shutdown()
+            engine = Engine(**kwargs, mixed_prefill_tokens=args.mixed_prefill_tokens)
+            runs["cold+mixed"] = run_workload(engine, work, arrivals, compiles)
+            engine.flush_cache()
+            runs["warm+mixed"] = run_workload(engine, work, arrivals, compiles)
     finally:
         engine.shutdown()
         compiles.close()

@@ -260,7 +260,8 @@ class Scheduler:
         # Long prompts are prefilled one at a time: while one is under way, a prompt that needs several steps too
         # waits, so those behind it (a short request) are not held up by each in turn.
         long_under_way = fair and any(s.num_tokens - s.num_computed > self.chunk_size for s in self.prefilling)
-        continuing = self._beside_arrivals(budget, long_under_way) if fair and admitting else budget
+        continuing = self._beside_arrivals(budget, long_under_way) if fair and admitting and self.prefilling \
+            else budget
         continued: list[int] = []  # rows of prefills under way
         for seq in list(self.prefilling):
             if continuing <= 0 or seq not in self.prefilling:  # (retracted by an older one, below)
