@@ -42,7 +42,7 @@ def hook_cost_us(metrics: EngineMetrics, batch: int, steps: int = 2000) -> float
         now = time.monotonic()
         for seq in seqs:
             seq.output_ids.append(0)  # (the list append is the engine's own work; it stays in the timing)
-            metrics.tokens(seq, now)
+            metrics.tokens(seq, now, True)
     return 1e6 * (time.perf_counter() - start) / steps
 
 

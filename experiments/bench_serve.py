@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"startup": startup, "workloads": workloads, "precompile": args.precompile,
-                       "num_requests": n, "rate": rate, "seed": args.seed, "sources": notes, "counts": counts, **runs,
+                       "num_requests": n, "rate": rate, "seed": args.seed, "sources": notes, "counts": counts,
+                       **{name: {k: v for k, v in r.items() if k != "texts"} for name, r in runs.items()},
                        "cold_warm_wall_ratio": runs["cold"]["wall_s"] / runs["warm"]["wall_s"]}, f, indent=2)
     return 0
 

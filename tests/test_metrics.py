@@ -1,6 +1,6 @@
 """`/metrics`: Prometheus' text format, parsed by prometheus_client's own parser, after a mixed workload on the
-real model (plain, stopped, JSON-constrained with jump-forward, chat, streamed, aborted, and a 400 that never reaches
-the engine). Every counter moves by what the responses themselves report; the latency histograms count one
+real model (plain, stopped, JSON-constrained with jump-forward, prefill-only, chat, streamed, aborted, and a 400 that
+never reaches the engine). Every counter moves by what the responses themselves report; the latency histograms count one
 observation per request (TTFT, end to end) and per further step that gave it tokens; the gauges come back to idle.
 """
 
@@ -51,7 +51,8 @@ def _run_and_check(engine, http: httpx.Client) -> None:
                  {"text": "One, two, three,", "sampling_params": {"max_new_tokens": 12, "temperature": 0,
                                                                   "stop": ","}},
                  {"text": "A person as JSON:", "sampling_params": {"max_new_tokens": 40, "temperature": 0,
-                                                                   "json_schema": json.dumps(SCHEMA)}}):
+                                                                   "json_schema": json.dumps(SCHEMA)}},
+                 {"text": "Scored, not continued", "sampling_params": {"max_new_tokens": 0}}):  # prefill only
         resp = http.post("/generate", json=body)
         assert resp.status_code == 200, resp.text
         metas.append(resp.json()["meta_info"])
@@ -98,8 +99,8 @@ def _run_and_check(engine, http: httpx.Client) -> None:
     assert delta("sglang:e2e_request_latency_seconds_count") == len(completions)
     # One inter-token gap per step after the first that gave a request tokens: at most one per further token
     # (a jump-forward appends several in one step), exactly one per token for the unconstrained ones.
-    plain = sum(c - 1 for i, c in enumerate(completions) if i != 2)
-    assert plain < delta("sglang:inter_token_latency_seconds_count") <= sum(c - 1 for c in completions)
+    plain = sum(max(c - 1, 0) for i, c in enumerate(completions) if i != 2)
+    assert plain < delta("sglang:inter_token_latency_seconds_count") <= sum(max(c - 1, 0) for c in completions)
     assert delta("sglang:time_per_output_token_seconds_count") == sum(c > 1 for c in completions)
     assert delta("sglang:e2e_request_latency_seconds_sum") > delta("sglang:time_to_first_token_seconds_sum") > 0
     assert value(after, "sglang:num_running_reqs") == value(after, "sglang:num_queue_reqs") == 0

@@ -6,6 +6,8 @@ is recomputed and gives the same greedy text as alone; nothing is lost or leaked
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from conftest import assert_no_leak
@@ -33,8 +35,9 @@ def test_a_high_priority_request_overtakes_the_queue_and_the_preempted_one_is_un
     lows = [engine.submit(p, LOW, request_id=f"low{i}") for i, p in enumerate(prompts)]
     for handle in lows:
         handle.subscribe(lambda chunk, rid=handle.request_id: chunk.finished and order.append(rid))
-    while engine.stats()["running_requests"] < 2:  # saturated: two decoding, four queued
-        pass
+    deadline = time.monotonic() + 120
+    while engine.stats()["running_requests"] < 2 and time.monotonic() < deadline:  # saturated: two decode, four wait
+        time.sleep(0.01)
     high = engine.submit("Quick: name a colour.", {**LOW, "priority": 10}, request_id="high")
     high.subscribe(lambda chunk: chunk.finished and order.append("high"))
     outs = [h.result(timeout=300) for h in lows]

@@ -961,3 +961,23 @@ def test_a_higher_priority_short_of_kv_takes_a_lower_ones_slots():
         pass
     assert sched.stats.preemptions == 1 and equal in sched.waiting  # an equal priority waits its turn
     assert_pool_accounted(sched, alloc)
+
+
+def test_a_request_held_behind_a_long_prefill_preempts_nobody():
+    """Preempting for a request that is then held (a long prompt behind the long prefill under way) only let the
+    victim back in, to be preempted again next step: preemption happens once the request is really admitted."""
+    sched, alloc = make(capacity=800, max_running=2, cache="none", padded=False, prefill_share=0.5,
+                        keys_per_token=32)
+    sched.add(seq(range(4), rid="l1", max_new=40))
+    step(sched)
+    sched.add(seq(range(1000, 1400), rid="p"))
+    while not sched.prefilling:
+        sched.account(step(sched), 0.01)
+    sched.add(seq(range(2000, 2100), rid="h", priority=1))
+    for _ in range(30):
+        batch = step(sched, expect=False)
+        if batch is not None:
+            sched.account(batch, 0.01)
+    assert sched.stats.preemptions <= 1
+    assert_pool_accounted(sched, alloc)
+

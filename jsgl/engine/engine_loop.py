@@ -179,7 +179,7 @@ class EngineLoop:
                 self._fail_one(seq, "processing its sampled token")
                 continue
             if metrics is not None:
-                metrics.tokens(seq, now)
+                metrics.tokens(seq, now, batch.samples(i))
             if publish:
                 if seq.finished:  # free KV before waking the caller, so "done" implies "released"
                     self.retire(seq)

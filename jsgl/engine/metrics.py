@@ -63,21 +63,27 @@ class EngineMetrics:
         self.registry.register(_StatsCollector(stats, lambda: self.generated, model_name))
 
     # ------------------------------------------------------------------ engine thread (keep these cheap)
-    def tokens(self, seq: Sequence, now: float) -> None:
-        """``seq`` was in the step that ended at ``now`` (time.monotonic): count the output tokens it has gained
-        (sampled, forced by jump-forward, and a grammar's forced start, appended before its prefill)."""
+    def tokens(self, seq: Sequence, now: float, sampled: bool) -> None:
+        """``seq`` was in the step that ended at ``now`` (time.monotonic), which ``sampled`` its next token (or
+        ended its prefill, for a prefill-only request): count the output tokens it has gained (sampled, forced by
+        jump-forward, and a grammar's forced start, appended before its prefill)."""
+        if seq.first_token_time is None:  # counted from the step that ends its prefill on
+            if not sampled:
+                return
+            seq.first_token_time = seq.last_token_time = now
+            self.ttft.observe(now - seq.arrival_time)
+            self.prompt_tokens.inc(len(seq.prompt_ids))
+            self.cached_tokens.inc(seq.cached_tokens_reported)
+            gaps = False
+        else:
+            gaps = True
         new = len(seq.output_ids) - seq.metrics_tokens
-        if new <= 0:  # a prefill chunk before its last, or a jump-forward that retokenized to fewer tokens
+        if new <= 0:  # a jump-forward that retokenized to fewer tokens
             return
         seq.metrics_tokens += new
         self.generation_tokens.inc(new)
         self.generated += new
-        if seq.first_token_time is None:  # its prefill is done
-            seq.first_token_time = now
-            self.ttft.observe(now - seq.arrival_time)
-            self.prompt_tokens.inc(len(seq.prompt_ids))
-            self.cached_tokens.inc(seq.cached_tokens_reported)
-        else:
+        if gaps:
             self.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
 
@@ -145,7 +151,10 @@ class _StatsCollector(Collector):
                     s["optimal_hit_rate"])
         yield counter("jsgl:jump_forward_tokens", "Output tokens appended by jump-forward (not sampled).",
                       s["jump_forward_tokens"])
-        yield counter("jsgl:retractions", "Requests retracted for memory (recomputed later).", s["retractions"])
+        yield counter("jsgl:retractions", "Requests retracted (recomputed later), for memory or a higher priority.",
+                      s["retractions"])
+        yield counter("jsgl:preemptions", "Of those, retracted for a waiting request of a higher priority.",
+                      s["preemptions"])
         yield counter("jsgl:evicted_tokens", "Tokens evicted from the prefix cache.", s["evicted_tokens"])
         compiles = CounterMetricFamily("jsgl:compiles", "Step shapes compiled, by when.", labels=["model_name", "when"])
         for when, key in (("start", "compiled_at_start"), ("background", "compiled_in_background"),

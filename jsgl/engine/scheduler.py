@@ -278,13 +278,12 @@ class Scheduler:
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
         if any(seq.params.priority for seq in self.waiting):
-            first = max(self.waiting, key=lambda s: s.params.priority)
-            while not mixed and self.num_active() >= self.max_running and self._preempt_for(first):
-                pass
             self.waiting.sort(key=lambda s: -s.params.priority)  # stable: the policy's order within a priority
+        # A waiting request may retract running ones of a lower priority (not in a mixed step: they are in it).
+        preempting = not mixed and self._outranked(self.running)
         deferred: list[Sequence] = []
         held: list[Sequence] = []  # long prompts behind the long prefill under way
-        while self.waiting and budget > 0 and self.num_active() < self.max_running:
+        while self.waiting and budget > 0 and (self.num_active() < self.max_running or preempting):
             seq = self.waiting.pop(0)
             self._match_prefix(seq)
             if long_under_way and seq.num_tokens - seq.num_computed > self.chunk_size:
@@ -301,12 +300,15 @@ class Scheduler:
                 if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
                     break
                 continue
+            if self.num_active() >= self.max_running and not (preempting and self._preempt_for(seq)):
+                self.release(seq)
+                self.waiting.insert(0, seq)
+                break
             chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget, mixed))
+            attention_fits = preempting and fits(seq, chunk)  # (before _admit releases its prefix)
             if not self._admit(seq, chunk, seqs, chunks, fits):
                 self.waiting.insert(0, seq)
-                # (Not in a mixed step: the running requests are in it.)
-                below = not mixed and any(s.params.priority < seq.params.priority for s in self.running)
-                if below and fits(seq, chunk) and self._preempt_for(seq):  # short of KV: a lower one gives its own
+                if attention_fits and self._preempt_for(seq):  # short of KV: a lower one gives its own
                     self.waiting.remove(seq)
                     self.waiting.insert(0, seq)  # (before the retracted one, which went to the front)
                     continue
@@ -346,6 +348,8 @@ class Scheduler:
         arrival would be admitted)."""
         half, arriving = budget // 2, 0
         for seq in self.waiting[:MAX_DEFERRED_SCAN]:
+            if seq.admitted:  # retracted earlier: not an arrival
+                continue
             new = seq.num_tokens - self.cache.match_len(seq.token_ids[:seq.num_tokens - 1])
             if long_under_way and new > self.chunk_size:
                 continue  # held behind the long prefill (below)
@@ -369,8 +373,8 @@ class Scheduler:
             return False
         if not seq.admitted:
             seq.admitted = True
-            if seq.num_computed + chunk == seq.num_tokens:  # its whole prefill in this step
-                self._owe_the_wait(seq)
+            if seq.num_computed + chunk == seq.num_tokens and len(seq.output_ids) < seq.max_new_tokens:
+                self._owe_the_wait(seq)  # its whole prefill in this step, and it will decode
             seq.cached_tokens_reported = seq.num_cached
             self.stats.prompt_tokens += seq.num_tokens
             self.stats.cached_tokens += seq.num_cached
@@ -393,6 +397,11 @@ class Scheduler:
                 common += 1
             longest = max(longest, common - seq.num_cached)
         return longest
+
+    def _outranked(self, running: list[Sequence]) -> bool:
+        """Whether a waiting request has a higher priority than a running one."""
+        return bool(running and self.waiting) and \
+            max(s.params.priority for s in self.waiting) > min(s.params.priority for s in running)
 
     def _preempt_for(self, seq: Sequence) -> bool:
         """Retract the running request of the lowest priority (the newest of those) if it is below ``seq``'s."""
