@@ -114,7 +114,6 @@ def _run_and_check(engine, http: httpx.Client) -> None:
 def test_metrics_can_be_turned_off_and_an_engine_has_one_registry(engine):
     from jsgl.server.app import create_app
 
-    create_app(engine, metrics=False)
     first = engine.enable_metrics()
     assert engine.enable_metrics() is first and b"sglang:prompt_tokens_total" in first.exposition()
     with ServerThread(engine) as server:

@@ -80,8 +80,7 @@ class Mailbox:
 
     def queued(self) -> bool:
         """Requests posted that the engine thread has not taken yet."""
-        with self._lock:
-            return bool(self._requests)
+        return self.num_queued() > 0
 
     def num_queued(self) -> int:
         """How many requests were posted that the engine thread has not taken yet."""

@@ -67,31 +67,26 @@ class EngineMetrics:
         """``seq`` was in the step that ended at ``now`` (time.monotonic), which ``sampled`` its next token (or
         ended its prefill, for a prefill-only request): count the output tokens it has gained (sampled, forced by
         jump-forward, and a grammar's forced start, appended before its prefill)."""
-        if seq.first_token_time is None:  # counted from the step that ends its prefill on
+        first = seq.first_token_time is None
+        if first:  # counted from the step that ends its prefill on
             if not sampled:
                 return
-            seq.first_token_time = seq.last_token_time = now
+            seq.first_token_time = now
             self.ttft.observe(now - seq.arrival_time)
             self.prompt_tokens.inc(len(seq.prompt_ids))
             self.cached_tokens.inc(seq.cached_tokens_reported)
-            gaps = False
-        else:
-            gaps = True
         new = len(seq.output_ids) - seq.metrics_tokens
-        if new <= 0:  # a jump-forward that retokenized to fewer tokens
+        if new <= 0:  # prefill only, or a jump-forward that retokenized to fewer tokens
             return
         seq.metrics_tokens += new
         self.generation_tokens.inc(new)
         self.generated += new
-        if gaps:
+        if not first:
             self.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
 
     def finished(self, seq: Sequence, now: float) -> None:
-        """``seq`` finished (any reason) at ``now``; counted once."""
-        if seq.metrics_counted:
-            return
-        seq.metrics_counted = True
+        """``seq`` finished (any reason) at ``now`` (EngineLoop.retire: once a request)."""
         reason = seq.finish_reason.value if seq.finish_reason is not None else "unknown"
         self.requests.labels(self.model_name, reason).inc()
         if seq.abort_reason is not None:

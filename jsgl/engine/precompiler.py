@@ -208,6 +208,7 @@ class StepCompiler:
             self._samplers.add(num_b)
             self.runner.run_sampler(num_b, logits)
 
+
 def order(plan: list[tuple]) -> list[tuple]:
     """The order a first workload meets shapes: fewer requests first, then fewer tokens, then shorter context."""
     return sorted(plan, key=lambda signature: (signature[1], signature[0], signature[3], signature[4]))

@@ -99,10 +99,12 @@ class Scheduler:
         self._last_prefill = (0.0, 0.0)  # the last extend step's end (time.monotonic) and duration
         self.stats = SchedulerStats()
         self._last_was_extend = False
+        self._prioritized = False  # a request with a priority arrived: the queue's priority order is kept from then
 
     # ------------------------------------------------------------------------------------ state
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._prioritized = self._prioritized or seq.params.priority != 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -277,10 +279,10 @@ class Scheduler:
             continuing -= cost
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
-        if any(seq.params.priority for seq in self.waiting):
+        if self._prioritized:
             self.waiting.sort(key=lambda s: -s.params.priority)  # stable: the policy's order within a priority
         # A waiting request may retract running ones of a lower priority (not in a mixed step: they are in it).
-        preempting = not mixed and self._outranked(self.running)
+        preempting = self._prioritized and not mixed and self._outranked(self.running)
         deferred: list[Sequence] = []
         held: list[Sequence] = []  # long prompts behind the long prefill under way
         while self.waiting and budget > 0 and (self.num_active() < self.max_running or preempting):
@@ -307,10 +309,10 @@ class Scheduler:
             chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget, mixed))
             attention_fits = preempting and fits(seq, chunk)  # (before _admit releases its prefix)
             if not self._admit(seq, chunk, seqs, chunks, fits):
+                # Short of KV: a lower priority gives its own (the retracted one goes to the front, this one before).
+                retry = attention_fits and self._preempt_for(seq)
                 self.waiting.insert(0, seq)
-                if attention_fits and self._preempt_for(seq):  # short of KV: a lower one gives its own
-                    self.waiting.remove(seq)
-                    self.waiting.insert(0, seq)  # (before the retracted one, which went to the front)
+                if retry:
                     continue
                 break
             budget -= self._cost(seq, chunk, mixed)

@@ -63,7 +63,6 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float = 0.0
     metrics_tokens: int = 0  # output tokens counted so far
-    metrics_counted: bool = False  # its finish counted
 
     @property
     def token_ids(self) -> list[int]:
