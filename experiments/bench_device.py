@@ -70,6 +70,9 @@ def parse_args(argv=None):
     steps.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
     steps.add_argument("--prefill-tokens", type=int, default=512)
     steps.add_argument("--step-kv-dtypes", nargs="+", default=["bfloat16", "int8"], choices=["bfloat16", "int8"])
+    steps.add_argument("--step-layers", nargs="+", default=["scanned", "unrolled"], choices=["scanned", "unrolled"],
+                       help="the layers as one lax.scan (the GPU default) and/or unrolled, side by side (the first "
+                            "KV dtype only; the others run the first of these)")
     steps.add_argument("--peak-flops", type=float, default=989e12, help="dense bfloat16 peak, FLOP/s (H200)")
     steps.add_argument("--skip-steps", action="store_true")
     p.add_argument("--skip-engine", action="store_true",
@@ -238,13 +241,14 @@ def main(argv=None) -> int:
         from jsgl.experiments.bench_device_steps import run_steps
 
         for kv_dtype in args.step_kv_dtypes:
-            print(f"\nengine steps, {'tiny' if args.cpu_smoke else 'Llama-3-8B-shaped'} model, bfloat16 weights, "
-                  f"KV {kv_dtype}: peak {args.peak_bw / 1e12:.2f} TB/s, {args.peak_flops / 1e12:.0f} TFLOP/s",
-                  flush=True)
-            for result in run_steps(smoke=args.cpu_smoke, context=args.context, prefill_tokens=args.prefill_tokens,
-                                    decode_batches=args.decode_batches, kv_dtype=kv_dtype, iters=args.iters,
-                                    attention="pallas"):
-                print(result.row(args.peak_bw, args.peak_flops), flush=True)
+            for layers in args.step_layers if kv_dtype == args.step_kv_dtypes[0] else args.step_layers[:1]:
+                print(f"\nengine steps, {'tiny' if args.cpu_smoke else 'Llama-3-8B-shaped'} model, bfloat16 weights, "
+                      f"KV {kv_dtype}, layers {layers}: peak {args.peak_bw / 1e12:.2f} TB/s, "
+                      f"{args.peak_flops / 1e12:.0f} TFLOP/s", flush=True)
+                for result in run_steps(smoke=args.cpu_smoke, context=args.context,
+                                        prefill_tokens=args.prefill_tokens, decode_batches=args.decode_batches,
+                                        kv_dtype=kv_dtype, iters=args.iters, attention="pallas", layers=layers):
+                    print(result.row(args.peak_bw, args.peak_flops), flush=True)
     print("all ok" if ok else "SOME CHECKS FAILED", flush=True)
     return 0 if ok else 1
 

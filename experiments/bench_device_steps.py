@@ -82,14 +82,14 @@ def time_step(runner: ModelRunner, items: list[ForwardItem], iters: int) -> tupl
 
 
 def run_steps(*, smoke: bool, context: int, prefill_tokens: int, decode_batches: list[int], kv_dtype: str,
-              iters: int, attention: str) -> list[StepResult]:
+              iters: int, attention: str, layers: str = "auto") -> list[StepResult]:
     config = ModelConfig.from_hf(TINY if smoke else LLAMA3_8B)
     dtype = jnp.dtype(jnp.bfloat16)
     kv = jnp.dtype(kv_dtype)
     params = random_params(config, dtype)
     num_slots = max(decode_batches) * context + prefill_tokens + 1
     runner = ModelRunner(config, params, num_slots, attention_backend=attention, matmul_backend="xla",
-                         kv_dtype=kv, max_context=max(context, prefill_tokens))
+                         kv_dtype=kv, max_context=max(context, prefill_tokens), layers=layers)
     weight_bytes = matmul_params(config) * dtype.itemsize
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * kv_quant.bytes_per_head_token(kv, config.head_dim)
     attn_flops = lambda queries, keys: 4 * queries * keys * config.num_heads * config.head_dim  # noqa: E731

@@ -33,6 +33,8 @@ ENGINE_HELP = {
     "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
     "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), cpu (C++ kernel); auto: pallas on a "
                          "GPU, cpu on a CPU that builds the kernels (float32, --tp 1), else native",
+    "layers": "the model's layers as one lax.scan (compiles one layer: start-up that does not grow with depth) or "
+              "unrolled (faster on CPU; needed by the CPU kernels); auto: scanned on a GPU/TPU, unrolled on CPU",
     "dtype": "dtype of weights and activations (matmuls accumulate in float32); auto: float32 on CPU, bfloat16 on "
              "a GPU/TPU",
     "kv_dtype": "KV cache dtype; int8: 8-bit values with a scale per token and head; auto: --dtype's",
@@ -76,6 +78,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
         "attention_backend": ["auto", "native", "pallas", "cpu"],
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
+        "layers": ["auto", "scanned", "unrolled"],
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": list(PRECOMPILE_MODES),
         "weights_cache": ["auto", "orbax", "off"],

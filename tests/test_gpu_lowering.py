@@ -28,7 +28,8 @@ from jsgl.model.llama import param_shapes
 NUM_SLOTS = 4096
 
 
-def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32, kv_dtype=None) -> str:
+def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32, kv_dtype=None,
+                 scanned: bool = False) -> str:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jsgl.model.sharding import TensorParallel
@@ -36,19 +37,22 @@ def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float
     cfg = ModelConfig.from_hf(LLAMA3_8B)
     parallel = TensorParallel.create(cfg, tp) if tp > 1 else None
     forward = parallel.config if parallel else cfg  # heads and MLP padded to whole groups per shard
-    params = param_shapes(forward, dtype)
+    params = param_shapes(forward, dtype, scanned)
     sharding = lambda *spec: NamedSharding(parallel.mesh, PartitionSpec(*spec)) if parallel else None  # noqa: E731
-    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, NUM_SLOTS, cfg.head_dim), kv_dtype or dtype,
-                                sharding=sharding("tp", None, None))
+    # A layer's pool [Hkv, N, D], or a scanned model's stack of every layer's [Hkv, L, N, D]
+    layers = (cfg.num_layers,) if scanned else ()
+    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, *layers, NUM_SLOTS, cfg.head_dim), kv_dtype or dtype,
+                                sharding=sharding("tp", *(None,) * (2 + len(layers))))
     if kv_dtype == jnp.int8:  # the 8-bit format: int8 rows and a float32 scale per token and head
         from jsgl.kernels.kv_quant import Int8Pool
 
-        pool = Int8Pool(pool, jax.ShapeDtypeStruct(pool.shape[:2], jnp.float32, sharding=sharding("tp", None)))
+        pool = Int8Pool(pool, jax.ShapeDtypeStruct(pool.shape[:-1], jnp.float32,
+                                                   sharding=sharding("tp", *(None,) * (1 + len(layers)))))
     if parallel:  # each weight carries the NamedSharding the runner would place it with
         params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=NamedSharding(parallel.mesh, spec)),
                               params, parallel.param_specs(params), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    kv = ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
+    kv = (pool, pool) if scanned else ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
     b = layout.num_b
     step = jax.jit(functools.partial(_step, layout=layout, config=forward, attention_backend="pallas", prompt_top_k=-1,
                                      tp=parallel), donate_argnums=(1,))
@@ -107,6 +111,18 @@ def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
     for name in LAYOUTS:
         assert got[name] == {"triton": 32, "cpu_ffi": 0, "donated": 64, "partitions": 4}, got
     assert got["int8 decode"] == {"triton": 32, "cpu_ffi": 0, "donated": 128, "partitions": 4}, got
+    assert got["scanned extend"] == {"triton": 1, "cpu_ffi": 0, "donated": 2, "partitions": 4}, got
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_scanned_step_lowers_for_cuda_with_one_layer_and_its_stacks_in_place(name):
+    """layers=scanned (the accelerator default): the 32 layers are one while loop over one layer's program, its
+    one Triton kernel reading the layer from the stacked pools, and both stacks (K and V) donated."""
+    text = lowered_step(LAYOUTS[name], "cuda", dtype=jnp.bfloat16, scanned=True)
+    assert summary(text) == {"triton": 1, "cpu_ffi": 0, "donated": 2, "partitions": 1}
+    assert text.count("stablehlo.while") == 1 and text.count("_stacked") >= 1
+    int8 = summary(lowered_step(LAYOUTS[name], "cuda", dtype=jnp.bfloat16, kv_dtype=jnp.int8, scanned=True))
+    assert int8 == {"triton": 1, "cpu_ffi": 0, "donated": 4, "partitions": 1}
 
 
 def test_bfloat16_step_makes_no_float32_copy_of_a_weight():
@@ -155,4 +171,5 @@ def test_param_shapes_are_the_loaders():
 if __name__ == "__main__":  # the tp=4 child
     got = {name: summary(lowered_step(layout, "cuda", tp=4)) for name, layout in LAYOUTS.items()}
     got["int8 decode"] = summary(lowered_step(LAYOUTS["decode"], "cuda", tp=4, dtype=jnp.bfloat16, kv_dtype=jnp.int8))
+    got["scanned extend"] = summary(lowered_step(LAYOUTS["extend"], "cuda", tp=4, dtype=jnp.bfloat16, scanned=True))
     print(json.dumps(got))

@@ -430,3 +430,55 @@ def test_int8_kernels_lower_to_triton_ir():
         fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
         modules = _triton_modules(fn, jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16), pool, pool, meta)
         assert len(modules) == 1 and "tt.dot" in modules[0] and "i8" in modules[0]
+
+
+# ------------------------------------------------------------------------------- a scanned model's stacks
+
+
+def _stacked(pools, layer):
+    """Pools of 3 layers stacked as a scanned model holds them (``[Hkv, L, N, D]``), ``pools`` at ``layer`` and
+    other (random) layers around it; the ``LayerPool`` of that layer."""
+    from jsgl.kernels import kv_quant
+
+    def stack(pool):
+        others = jax.tree.map(lambda x: jnp.asarray(np.random.default_rng(5).standard_normal(x.shape), x.dtype), pool)
+        layers = [others, others, others]
+        layers[layer] = pool
+        return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *layers)
+
+    return [kv_quant.LayerPool(stack(pool), jnp.int32(layer)) for pool in pools]
+
+
+@pytest.mark.parametrize("layer", [1, extra(0), extra(2)])
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+@pytest.mark.parametrize("max_q", [1, 9])
+def test_kernels_read_a_layer_of_stacked_pools(max_q, quantized, layer):
+    """A scanned model's pools (every layer in one stack, the layer indexed in the kernel): decode and extend give
+    exactly what they give over that layer's own pool, plain and 8-bit, slot and page tables."""
+    q_lens = [1, 1, 1, 0] if max_q == 1 else [1, 9, 3, 0]
+    kv_lens = [5, 37, 17, 0] if max_q == 1 else [5, 9, 20, 0]
+    q, k, v, pages, _ = paged(make_case(31 + max_q, 9, 3, kv_lens, q_lens, width=40, extra_tokens=1), 4)
+    pools = _int8_pools(k, v)[0] if quantized else [k, v]
+    kernel = paged_decode_attention if max_q == 1 else paged_extend_attention
+    kwargs = {"block_k": 8, "num_splits": 2} if max_q == 1 else {"block_q": 4, "block_k": 8}
+    want = run(kernel, q, *pools, pages, **kwargs)
+    k_layer, v_layer = _stacked(pools, layer)
+    assert np.array_equal(np.asarray(run(kernel, q, k_layer, v_layer, pages, **kwargs)), np.asarray(want))
+    assert_close(reference(q, k_layer, v_layer, pages), reference(q, *pools, pages), atol=0)  # the native path
+
+
+def test_stacked_pool_kernels_lower_to_triton_ir():
+    """With the layer's index an input, the kernels over stacked pools lower to verified Triton IR."""
+    from jsgl.kernels import kv_quant
+
+    batch, width, num_slots = 2, 256, 1024
+    stack = jax.ShapeDtypeStruct((8, 32, num_slots, 128), jnp.bfloat16)
+    pool = kv_quant.LayerPool(stack, jax.ShapeDtypeStruct((), jnp.int32))
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    for max_q_len in (1, 32):
+        tokens = batch * max_q_len
+        meta = AttentionMetadata(i32(tokens), i32(batch), i32(batch), i32(batch, width), i32(batch),
+                                 max_q_len=max_q_len)
+        fn = functools.partial(pallas_paged_attention, scale=0.088, interpret=False)
+        modules = _triton_modules(fn, jax.ShapeDtypeStruct((tokens, 32, 128), jnp.bfloat16), pool, pool, meta)
+        assert len(modules) == 1 and "tt.dot" in modules[0]

@@ -27,7 +27,7 @@ from jsgl.engine.engine import Engine
 from jsgl.engine.kv_pool import allocate_pool
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend
 from jsgl.model.config import ModelConfig, UnsupportedModelError
-from jsgl.model.llama import forward_hidden, lm_logits
+from jsgl.model.llama import forward_hidden, is_scanned, lm_logits
 from jsgl.model.loader import load_model
 from jsgl.model.tokenizer import load_tokenizer
 
@@ -84,7 +84,7 @@ def jsgl_logits(config: ModelConfig, params, backend: str, ids: list[int], chunk
     tokens each over the prefix already in the pool (one prefill when ``chunk >= len(ids)``). Padded like the
     runner pads (to ``chunk`` tokens, a 32-wide slot table) so each chunk size compiles once."""
     assert len(ids) <= 32
-    kv = allocate_pool(config, 256)
+    kv = allocate_pool(config, 256, stacked=is_scanned(params))
     slots = np.random.default_rng(0).permutation(np.arange(1, 256))[:32].astype(np.int32)
     table = jnp.asarray(slots)[None]
     attention = get_attention_backend(backend)
@@ -138,17 +138,25 @@ def test_logits_and_greedy_match_transformers(checkpoints, family):
     refs = [hf_logits(model, ids) for ids in prompt_ids]
     expected = [hf_greedy(model, ids) for ids in prompt_ids]
     # auto: the CPU kernels (packed matmuls; paged attention and its fused RoPE + write form where it applies),
-    # with 16-token prefill chunks so the prompt runs as extends over a cached prefix. native: pure JAX.
-    for backend, matmul in (("auto", "auto"), ("native", "xla")):
+    # with 16-token prefill chunks so the prompt runs as extends over a cached prefix. native: pure JAX, its layers
+    # unrolled and scanned (one lax.scan per run of equal windows: two runs for qwen3), which must agree exactly.
+    unrolled = {}
+    for backend, matmul, layers in (("auto", "auto", "auto"), ("native", "xla", "unrolled"),
+                                    ("native", "xla", "scanned")):
         engine = Engine(model=folder, num_kv_slots=1024, max_running_requests=8, chunked_prefill_size=16,
-                        attention_backend=backend, matmul_backend=matmul)
+                        attention_backend=backend, matmul_backend=matmul, layers=layers)
         try:
             runner = engine.runner
-            for ids, ref in zip(prompt_ids, refs):
+            assert is_scanned(runner.params) == (layers == "scanned")
+            for i, (ids, ref) in enumerate(zip(prompt_ids, refs)):
                 for chunk in (32, 8):
                     ours = jsgl_logits(runner.config, runner.params, runner.attention_backend, ids, chunk)
                     assert relative_error(ours, ref) < 1e-4, (backend, chunk, relative_error(ours, ref))
                     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+                    if layers == "unrolled":
+                        unrolled[i, chunk] = ours
+                    elif layers == "scanned":
+                        np.testing.assert_array_equal(ours, unrolled[i, chunk])
             outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
             for prompt, out, want in zip(PROMPTS, outs, expected):
                 assert out.token_ids == want, (backend, prompt)
@@ -156,16 +164,17 @@ def test_logits_and_greedy_match_transformers(checkpoints, family):
             engine.shutdown()
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size,layers", [(1, "unrolled"), (4, "unrolled"), (4, "scanned")])
 @pytest.mark.parametrize("family", ["mistral"])
-def test_pallas_backend_honours_the_window(checkpoints, family, page_size):
+def test_pallas_backend_honours_the_window(checkpoints, family, page_size, layers):
     # The GPU backend's kernels (here in Pallas interpret mode) mask the window themselves, in 16-token extends
-    # and in decode past the window; with pages of 4 slots they read the engine's page tables.
+    # and in decode past the window; with pages of 4 slots they read the engine's page tables; scanned (the
+    # accelerator default), each layer's from the stacked pools.
     folder, model = checkpoints[family]
     tokenizer = load_tokenizer(folder)
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
     engine = Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, attention_backend="pallas",
-                    matmul_backend="xla", page_size=page_size)
+                    matmul_backend="xla", page_size=page_size, layers=layers)
     try:
         outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
         assert [out.token_ids for out in outs] == expected

@@ -89,6 +89,21 @@ def test_backends_resolve_per_platform():
     assert resolve_attention_backend("auto", "tpu") == "native"
 
 
+def test_layers_are_scanned_on_accelerators_and_unrolled_on_cpu():
+    from jsgl.engine.backends import resolve_backends
+
+    assert resolve_backends(platform="gpu", dtype="bfloat16").layers == "scanned"
+    assert resolve_backends(platform="tpu", dtype="bfloat16").layers == "scanned"
+    assert resolve_backends(platform="cpu").layers == "unrolled"
+    assert resolve_backends("native", "xla", platform="cpu", layers="scanned").layers == "scanned"
+    assert resolve_backends(platform="gpu", layers="unrolled").layers == "unrolled"
+    if resolve_backends(platform="cpu").attention == "cpu":  # the C++ kernels take per-layer pools
+        with pytest.raises(ValueError, match="attention_backend=native and matmul_backend=xla"):
+            resolve_backends(platform="cpu", layers="scanned")
+    with pytest.raises(ValueError, match="layers must be auto, scanned or unrolled"):
+        resolve_backends(platform="cpu", layers="rolled")
+
+
 def test_pallas_extends_are_not_held_back_by_the_score_budget():
     """The scheduler's padded-score budget counts the native path's score array; the kernels build none."""
     from jsgl.experiments.bench_device_steps import TINY, random_params

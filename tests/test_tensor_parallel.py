@@ -141,6 +141,16 @@ def child_main(out_path: str) -> None:
         }
         del runner, params
 
+    # Scanned layers (the accelerator default) at tp=2: weights stacked over layers and the pool one stack per K/V,
+    # each split over its heads' axis as the per-layer ones are.
+    runner = ModelRunner(config, np_params, 64, attention_backend="native", matmul_backend="xla", tp=2,
+                         layers="scanned")
+    logits = _full_logits(runner, prompts[0])
+    result["scanned tp2"] = {"max_abs_diff": float(np.abs(logits - ref_logits).max()),
+                             "greedy": _greedy(runner, prompts),
+                             "shards": {"wq": _shapes(runner.params["layers"]["wq"]), "k": _shapes(runner.kv[0])}}
+    del runner
+
     start = time.perf_counter()
     engine = Engine(model="smollm2-135m", tp=2, num_kv_slots=512, max_running_requests=8,
                     chunked_prefill_size=64)
@@ -286,6 +296,12 @@ if __name__ != "__main__":
         assert s["k_pool"] == s["v_pool"] == [[hkv, 64, 64]] * tp
         if tp > 1:
             assert r["kv_spec"] == ["tp"]  # NamedSharding over the KV-head axis
+
+    def test_scanned_layers_shard_and_match_tp1(tp_run: dict[str, Any]) -> None:
+        r = tp_run["scanned tp2"]
+        assert r["max_abs_diff"] < 1e-5 * tp_run["tp1"]["logit_range"], r["max_abs_diff"]
+        assert r["greedy"] == tp_run["tp1"]["greedy"]
+        assert r["shards"] == {"wq": [[30, 576, 6 * 64]] * 2, "k": [[2, 30, 64, 64]] * 2}
 
     def test_engine_tp2_serves_batch(tp_run: dict[str, Any]) -> None:
         eng = tp_run["engine"]

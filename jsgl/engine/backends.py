@@ -23,6 +23,12 @@ class Backends:
     attention: str  # native | cpu | pallas (kernels/attention.py's registry)
     matmul: str  # xla | packed | gguf (kernels/cpu.py)
     tp: int = 1
+    # The layers as one lax.scan over stacked weights and pools (one layer compiled), or unrolled (model/llama.py)
+    scanned: bool = False
+
+    @property
+    def layers(self) -> str:
+        return "scanned" if self.scanned else "unrolled"
 
     def ragged(self, config: ModelConfig) -> bool:
         """The CPU attention kernel on every layer (it has no sliding window): it reads each request's lengths
@@ -42,7 +48,8 @@ class Backends:
 
 
 def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int = 1, dtype: Any = jnp.float32,
-                     kv_dtype: Any = jnp.float32, page_size: int = 1, platform: str | None = None) -> Backends:
+                     kv_dtype: Any = jnp.float32, page_size: int = 1, platform: str | None = None,
+                     layers: str = "auto") -> Backends:
     """The backends on ``platform`` (JAX's backend name; default this process's). A choice that cannot run is an
     error naming the option to change."""
     platform = platform or jax.default_backend()
@@ -69,4 +76,16 @@ def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int =
     if attention == "pallas" and page_size & (page_size - 1):
         raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
                          "size must be a power of two (1, 2, 4, ..., 64)")
-    return Backends(attention, matmul, tp)
+    return Backends(attention, matmul, tp, _scanned(layers, attention, matmul, on_cpu))
+
+
+def _scanned(layers: str, attention: str, matmul: str, on_cpu: bool) -> bool:
+    """Scan the layers on an accelerator (compile time that does not grow with depth); unroll them on CPU, where
+    XLA copied each layer's weights out of the stack before its matmuls (decode ~1.8x slower) and the C++
+    kernels take per-layer pools and packed weights."""
+    if layers not in ("auto", "scanned", "unrolled"):
+        raise ValueError(f"layers must be auto, scanned or unrolled, not {layers!r}")
+    if layers == "scanned" and (attention == "cpu" or matmul != "xla"):
+        raise ValueError(f"layers=scanned: the CPU kernels (attention {attention!r}, matmul {matmul!r}) take each "
+                         "layer's own pools and packed weights; use attention_backend=native and matmul_backend=xla")
+    return layers == "scanned" or (layers == "auto" and not on_cpu)

@@ -65,7 +65,8 @@ class Engine:
         enable_compilation_cache()
         self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, self.platform.name)
         self.backends = resolve_backends(cfg.attention_backend, cfg.matmul_backend, tp=cfg.tp, dtype=self.dtype,
-                                         kv_dtype=self.kv_dtype, page_size=cfg.page_size, platform=self.platform.name)
+                                         kv_dtype=self.kv_dtype, page_size=cfg.page_size, platform=self.platform.name,
+                                         layers=cfg.layers)
         matmul = self.backends.matmul
         # The matrices the kernels read from the GGUF's own blocks are not loaded as float32 at all.
         weight_blocks = load_gguf_blocks(cfg.model) if matmul == "gguf" else None
@@ -97,7 +98,8 @@ class Engine:
         del params
         self.platform_report = describe(self.platform, dtype=self.dtype.name, kv_dtype=self.kv_dtype.name,
                                         attention_backend=self.backends.attention,
-                                        matmul_backend=self.backends.matmul, page_size=cfg.page_size)
+                                        matmul_backend=self.backends.matmul, layers=self.backends.layers,
+                                        page_size=cfg.page_size)
         log.info("running on %s", ", ".join(f"{k} {v}" for k, v in self.platform_report.items()))
         # Prefill's matmuls on AMX tiles (near float32, not bitwise the AVX-512 kernels'): said once, and in stats().
         self.amx_prefill = matmul != "xla" and cpu_kernels.amx_enabled()

@@ -25,11 +25,18 @@ def slots_for_memory(config: ModelConfig, memory_gb: float, page_size: int = 1, 
     return max(page_size * 2, slots - slots % page_size)
 
 
-def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.Sharding | None = None,
-                  dtype: Any = jnp.float32):
-    """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache); an
-    ``Int8Pool`` each under the 8-bit format."""
+def allocate_pool(config: ModelConfig, num_slots: int, sharding: jax.sharding.NamedSharding | None = None,
+                  dtype: Any = jnp.float32, stacked: bool = False):
+    """Per-layer K and V pools, each ``[num_kv_heads, num_slots, head_dim]`` (see jsgl.model.llama.KVCache), or with
+    ``stacked`` (a scanned model) one K and one V stack ``[num_kv_heads, num_layers, num_slots, head_dim]``; an
+    ``Int8Pool`` each under the 8-bit format. ``sharding``: a layer's pool's (split over heads)."""
     shape = (config.num_kv_heads, num_slots, config.head_dim)
+    if stacked:
+        shape = (shape[0], config.num_layers, *shape[1:])
+        if sharding is not None:  # the stack splits over heads as a layer's pool does
+            spec = jax.sharding.PartitionSpec(sharding.spec[0], None, *sharding.spec[1:])
+            sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+        return kv_quant.allocate(shape, dtype, sharding), kv_quant.allocate(shape, dtype, sharding)
     make = lambda: [kv_quant.allocate(shape, dtype, sharding) for _ in range(config.num_layers)]
     return make(), make()
 

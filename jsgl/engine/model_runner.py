@@ -28,7 +28,7 @@ from jsgl.engine.sampler import argmax, sample, stage_flags
 from jsgl.engine.step_inputs import ForwardItem, StepLayout, new_packed, pack_step, unpack_forward, unpack_sampling
 from jsgl.kernels.attention import get_attention_backend
 from jsgl.model.config import ModelConfig
-from jsgl.model.llama import forward_hidden, lm_logits, with_packed_weights
+from jsgl.model.llama import forward_hidden, lm_logits, stack_layers, with_packed_weights
 from jsgl.model.sharding import TensorParallel
 from jsgl.paths import cache_dir
 
@@ -140,7 +140,7 @@ class ModelRunner:
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
                  max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False,
-                 page_size: int = 1, backends: Backends | None = None):
+                 page_size: int = 1, backends: Backends | None = None, layers: str = "auto"):
         """``params``: host arrays, placed here (sharded under ``tp``), or with ``params_placed`` already on their
         devices and shards (the engine's loader puts them there tensor by tensor)."""
         self.config = config
@@ -148,7 +148,7 @@ class ModelRunner:
         self.max_top_logprobs = max_top_logprobs  # the static width of the top-logprobs output
         # Resolved by the engine (it loads the weights by them), or here for a runner built directly.
         self.backends = backends or resolve_backends(attention_backend, matmul_backend, tp=tp, kv_dtype=kv_dtype,
-                                                     page_size=page_size)
+                                                     page_size=page_size, layers=layers)
         if self.attention_backend == "cpu" and config.layer_windows:  # not silent: the kernels mask no window
             log.info("attention: the CPU kernels have no sliding window; layers %s (window %d) attend through "
                      "the native path", [i for i, w in enumerate(config.layer_windows) if w],
@@ -165,11 +165,13 @@ class ModelRunner:
         if self.tp:
             params = params if params_placed else self.tp.shard_params(params)
             kv_sharding = self.tp.kv_sharding
-        self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding, self.kv_dtype)
         # "packed"/"gguf": the CPU kernels' weights; weight_blocks (load_gguf_blocks) serve "gguf" only.
         if self.matmul_backend != "xla":
             params = with_packed_weights(params, weight_blocks if self.matmul_backend == "gguf" else None)
+        if self.backends.scanned:  # before the pool: stacking holds one weight's layers twice for a moment
+            params = stack_layers(params, self.tp.stack_leaf if self.tp else None)
         self.params = params
+        self.kv = allocate_pool(self.forward_config, num_slots, kv_sharding, self.kv_dtype, self.backends.scanned)
         self.ragged, self.length_free = self.backends.ragged(config), self.backends.length_free(config)
         self.builds_scores = self.backends.builds_scores(config)
         self.table_width = bucket(min(self.max_context, num_slots), 64)
@@ -198,7 +200,7 @@ class ModelRunner:
 
     def reset_kv(self) -> None:
         sharding = self.tp.kv_sharding if self.tp else None
-        self.kv = allocate_pool(self.forward_config, self.num_slots, sharding, self.kv_dtype)
+        self.kv = allocate_pool(self.forward_config, self.num_slots, sharding, self.kv_dtype, self.backends.scanned)
 
     # ------------------------------------------------------------------------------ batch building
     def attention_bytes(self, num_items: int, max_new: int, max_len: int) -> int:

@@ -42,7 +42,30 @@ class Int8Pool:
         return self.values.dtype
 
 
-KVPool = jax.Array | Int8Pool
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerPool:
+    """Layer ``layer`` of the pools of every layer stacked as ``[Hkv, L, N, D]`` (an :class:`Int8Pool` of stacked
+    values ``[Hkv, L, N, D]`` and scales ``[Hkv, L, N]`` in the 8-bit format): what one iteration of a scanned
+    forward reads and writes. Writes and gathers index the stack at the layer; the layer is never sliced out (a
+    copy of it). The layer axis sits after the heads, so a gather needs no transpose and tensor parallelism splits
+    the stack over its leading (head) axis as it does a layer's pool."""
+
+    stack: jax.Array | Int8Pool
+    layer: jax.Array  # int32 scalar
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The layer's pool's shape, ``[Hkv, N, D]``."""
+        shape = self.stack.shape
+        return (shape[0], *shape[2:])
+
+    @property
+    def dtype(self) -> Any:
+        return self.stack.dtype
+
+
+KVPool = jax.Array | Int8Pool | LayerPool
 
 
 def is_quantized(dtype: Any) -> bool:
@@ -71,37 +94,54 @@ def dequantize(values: jax.Array, scales: jax.Array, dtype: Any = jnp.float32) -
     return (values.astype(jnp.float32) * scales[..., None].astype(jnp.float32)).astype(dtype)
 
 
-def allocate(shape: tuple[int, int, int], dtype: Any, sharding: Any = None) -> KVPool:
-    """A zeroed pool ``[Hkv, N, D]`` of ``dtype``; ``sharding`` (a NamedSharding over the heads) places it."""
+def allocate(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> KVPool:
+    """A zeroed pool ``[Hkv, N, D]`` (or a stack ``[Hkv, L, N, D]``) of ``dtype``; ``sharding`` (a NamedSharding
+    over the heads) places it."""
     if not is_quantized(dtype):
         return jnp.zeros(shape, dtype, device=sharding)
     scale_sharding = None
     if sharding is not None:  # the scales split over heads as the values do
-        scale_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:2]))
-    return Int8Pool(jnp.zeros(shape, jnp.int8, device=sharding), jnp.zeros(shape[:2], jnp.float32,
-                                                                             device=scale_sharding))
+        scale_spec = jax.sharding.PartitionSpec(*sharding.spec[:len(shape) - 1])
+        scale_sharding = jax.sharding.NamedSharding(sharding.mesh, scale_spec)
+    return Int8Pool(jnp.zeros(shape, jnp.int8, device=sharding), jnp.zeros(shape[:-1], jnp.float32,
+                                                                              device=scale_sharding))
+
+
+def _storage(pool: KVPool) -> tuple[jax.Array | Int8Pool, tuple[Any, ...]]:
+    """The arrays a pool is stored in, and the index of its layer's ``[Hkv, N, ...]`` within them."""
+    if isinstance(pool, LayerPool):
+        return pool.stack, (slice(None), pool.layer)
+    return pool, (slice(None),)
+
+
+def _restored(pool: KVPool, stored: jax.Array | Int8Pool) -> KVPool:
+    return LayerPool(stored, pool.layer) if isinstance(pool, LayerPool) else stored
 
 
 def write(pool: KVPool, slots: jax.Array, x: jax.Array) -> KVPool:
     """The pool with ``x [T, Hkv, D]`` (the new tokens' K or V) written at ``slots [T]``."""
     rows = x.swapaxes(0, 1)  # [Hkv, T, D]
-    if isinstance(pool, Int8Pool):
+    stored, at = _storage(pool)
+    at = (*at, slots)
+    if isinstance(stored, Int8Pool):
         values, scales = quantize(rows)
-        return Int8Pool(pool.values.at[:, slots].set(values), pool.scales.at[:, slots].set(scales))
-    rows = rows.astype(pool.dtype)
-    if pool.dtype.itemsize == 2:  # bfloat16/float16: on CPU as their bits (_on_bits)
-        return _on_bits(lambda p, r: p.at[:, slots].set(r), pool, rows)
-    return pool.at[:, slots].set(rows)
+        return _restored(pool, Int8Pool(stored.values.at[at].set(values), stored.scales.at[at].set(scales)))
+    rows = rows.astype(stored.dtype)
+    if stored.dtype.itemsize == 2:  # bfloat16/float16: on CPU as their bits (_on_bits)
+        return _restored(pool, _on_bits(lambda p, r: p.at[at].set(r), stored, rows))
+    return _restored(pool, stored.at[at].set(rows))
 
 
 def gather(pool: KVPool, index: jax.Array) -> jax.Array:
     """Rows of ``index`` (slots, any shape) from every head: ``[Hkv, *index.shape, D]``, dequantized to
     float32 from the 8-bit format, as stored otherwise."""
-    if isinstance(pool, Int8Pool):
-        return dequantize(pool.values[:, index], pool.scales[:, index])
-    if pool.dtype.itemsize == 2:
-        return _on_bits(lambda p: p[:, index], pool)
-    return pool[:, index]
+    stored, at = _storage(pool)
+    at = (*at, index)
+    if isinstance(stored, Int8Pool):
+        return dequantize(stored.values[at], stored.scales[at])
+    if stored.dtype.itemsize == 2:
+        return _on_bits(lambda p: p[at], stored)
+    return stored[at]
 
 
 def _on_bits(op: Any, *arrays: jax.Array) -> jax.Array:

@@ -73,7 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jsgl.kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
-from jsgl.kernels.kv_quant import Int8Pool, KVPool
+from jsgl.kernels.kv_quant import Int8Pool, KVPool, LayerPool
 
 # Module-level switch: None = decide per call (interpret on CPU, compiled Triton on GPU).
 INTERPRET: bool | None = None
@@ -127,28 +127,33 @@ def _pad_table(block_table: jax.Array, entries: int) -> jax.Array:
     return block_table.astype(jnp.int32)
 
 
-def _gather_kv(bt_ref, kv_refs, first_key, length, block_k: int, dtype, page_size: int = 1):
+def _gather_kv(bt_ref, kv_refs, first_key, length, block_k: int, dtype, page_size: int = 1, stacked: bool = False):
     """Slots and K/V rows ``[block_k, D]`` of positions ``first_key + [0, block_k)`` (invalid -> slot 0).
     ``bt_ref``: the request's slot table, or with ``page_size > 1`` its page table (the block's
     ``block_k / page_size`` pages gathered, each page ``page_size`` consecutive slots). ``kv_refs``: (k, v) of a
     plain pool, or (k, v, k scales, v scales) of the 8-bit format, whose rows are dequantized here to ``dtype``
-    (the query's): the int8 rows are what crosses memory."""
+    (the query's): the int8 rows are what crosses memory. ``stacked`` (a scanned model): each ref holds every
+    layer (``[L, N, D]``, scales ``[L, N]``) and one more, last, the layer's index ``[1]``."""
     key_pos = first_key + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     if page_size == 1:
         slots = bt_ref[pl.ds(first_key, block_k)]
     else:
         slots = bt_ref[key_pos // page_size] * page_size + key_pos % page_size
     slots = jnp.where(key_pos < length, slots, 0)
-    k, v = kv_refs[0][slots, :], kv_refs[1][slots, :]
+    at: tuple = (slots,)
+    if stacked:
+        at, kv_refs = (kv_refs[-1][0], slots), kv_refs[:-1]
+    k, v = kv_refs[0][(*at, slice(None))], kv_refs[1][(*at, slice(None))]
     if len(kv_refs) == 4:
-        k = (k.astype(jnp.float32) * kv_refs[2][slots][:, None]).astype(dtype)
-        v = (v.astype(jnp.float32) * kv_refs[3][slots][:, None]).astype(dtype)
+        k = (k.astype(jnp.float32) * kv_refs[2][at][:, None]).astype(dtype)
+        v = (v.astype(jnp.float32) * kv_refs[3][at][:, None]).astype(dtype)
     return key_pos, k, v
 
 
-def _suffix(kv: list[jax.Array], page_size: int) -> str:
-    """Kernel-name suffix: the 8-bit KV format, page-granular tables."""
-    return ("_int8" if len(kv) == 4 else "") + (f"_pg{page_size}" if page_size > 1 else "")
+def _suffix(kv: list[jax.Array], page_size: int, stacked: bool) -> str:
+    """Kernel-name suffix: the 8-bit KV format, page-granular tables, a scanned model's stacked pools."""
+    return ("_int8" if len(kv) - stacked == 4 else "") + (f"_pg{page_size}" if page_size > 1 else "") + \
+        ("_stacked" if stacked else "")
 
 
 def _page_block_k(page_size: int, block_k: int) -> int:
@@ -159,19 +164,30 @@ def _page_block_k(page_size: int, block_k: int) -> int:
     return block_k
 
 
-def _kv_operands(k_pool: KVPool, v_pool: KVPool) -> list[jax.Array]:
-    """The kernels' K/V inputs: ``[k, v]``, or ``[k, v, k scales, v scales]`` for the 8-bit format."""
+def _kv_operands(k_pool: KVPool, v_pool: KVPool) -> tuple[list[jax.Array], bool]:
+    """The kernels' K/V inputs: ``[k, v]``, or ``[k, v, k scales, v scales]`` for the 8-bit format; and whether
+    they are a scanned model's stacks (``LayerPool``), the layer's index ``[1]`` then last."""
+    layer = None
+    if isinstance(k_pool, LayerPool):
+        layer, k_pool, v_pool = k_pool.layer, k_pool.stack, v_pool.stack
     if isinstance(k_pool, Int8Pool):
-        return [k_pool.values, v_pool.values, k_pool.scales, v_pool.scales]
-    return [k_pool, v_pool]
+        operands = [k_pool.values, v_pool.values, k_pool.scales, v_pool.scales]
+    else:
+        operands = [k_pool, v_pool]
+    if layer is None:
+        return operands, False
+    return [*operands, jnp.reshape(layer, (1,)).astype(jnp.int32)], True
 
 
-def _kv_specs(operands: list[jax.Array], head_of) -> list[pl.BlockSpec]:
-    """BlockSpecs of the K/V operands: the whole pool of the KV head ``head_of(*grid indices)``."""
+def _kv_specs(operands: list[jax.Array], head_of, stacked: bool) -> list[pl.BlockSpec]:
+    """BlockSpecs of the K/V operands: the whole pool of the KV head ``head_of(*grid indices)`` (of every layer,
+    ``stacked``), and the layer's index."""
     def spec(x: jax.Array) -> pl.BlockSpec:
         rest = (0,) * (x.ndim - 1)
         return pl.BlockSpec((None, *x.shape[1:]), lambda *grid: (head_of(*grid), *rest))
 
+    if stacked:
+        return [spec(x) for x in operands[:-1]] + [pl.BlockSpec((1,), lambda *grid: (0,))]
     return [spec(x) for x in operands]
 
 
@@ -211,6 +227,7 @@ def _decode_kernel(
     block_k: int,
     num_splits: int,
     page_size: int,
+    stacked: bool,
 ):
     kv_refs, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
     split = pl.program_id(2)
@@ -226,7 +243,8 @@ def _decode_kernel(
     count = jnp.maximum(jnp.minimum(mine + per_split, num_blocks) - mine, 0)
 
     def body(i, carry):
-        key_pos, k, v = _gather_kv(bt_ref, kv_refs, (first + i) * block_k, length, block_k, q.dtype, page_size)
+        key_pos, k, v = _gather_kv(bt_ref, kv_refs, (first + i) * block_k, length, block_k, q.dtype, page_size,
+                                   stacked)
         return _online_softmax_block(carry, q, k, v, ((key_pos < length) & (key_pos >= start))[None, :], scale)
 
     acc, m_run, l_run = lax.fori_loop(0, count, body, _online_softmax_init(block_h, head_dim))
@@ -253,10 +271,10 @@ def _decode_partials(
 ):
     """The decode kernel call: per-split partials ``(acc [P,B,Hkv,block_h,D], m, l [P,B,Hkv,block_h])``."""
     batch, num_kv_heads, block_h, head_dim = q_grp.shape
-    kv = _kv_operands(k_pool, v_pool)
+    kv, stacked = _kv_operands(k_pool, v_pool)
     width = block_table.shape[1]
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=block_k, num_splits=num_splits,
-                               page_size=page_size)
+                               page_size=page_size, stacked=stacked)
     part = (num_splits, batch, num_kv_heads, block_h)
     return pl.pallas_call(
         kernel,
@@ -266,7 +284,7 @@ def _decode_partials(
             pl.BlockSpec((1,), lambda b, h, s: (b,)),
             pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
-            *_kv_specs(kv, lambda b, h, s: h),
+            *_kv_specs(kv, lambda b, h, s: h, stacked),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim), lambda b, h, s: (s, b, h, 0, 0)),
@@ -280,7 +298,7 @@ def _decode_partials(
         ],
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}{_suffix(kv, page_size)}",
+        name=f"jsgl_paged_decode_bh{block_h}_bk{block_k}_p{num_splits}{_suffix(kv, page_size, stacked)}",
     )(starts, lengths, q_grp, block_table, *kv)
 
 
@@ -392,6 +410,7 @@ def _extend_kernel(
     group: int,
     window: int | None,
     page_size: int,
+    stacked: bool,
 ):
     kv_refs, o_ref = refs[:-1], refs[-1]
     q_block = pl.program_id(2)
@@ -417,7 +436,7 @@ def _extend_kernel(
             first_block = jnp.minimum(jnp.maximum(first_pos + 1 - window, 0) // block_k, num_blocks)
 
         def body(i, carry):
-            key_pos, k, v = _gather_kv(bt_ref, kv_refs, i * block_k, kv_len, block_k, q.dtype, page_size)
+            key_pos, k, v = _gather_kv(bt_ref, kv_refs, i * block_k, kv_len, block_k, q.dtype, page_size, stacked)
             valid = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] < kv_len)  # causal + in range
             if window is not None:
                 valid &= key_pos[None, :] > pos[:, None] - window
@@ -451,10 +470,10 @@ def _extend_call(
 ) -> jax.Array:
     """The extend kernel call: output laid out as ``q_rows``, rows not covered by any request undefined."""
     num_kv_heads, num_rows, head_dim = q_rows.shape
-    kv = _kv_operands(k_pool, v_pool)
+    kv, stacked = _kv_operands(k_pool, v_pool)
     batch, width = block_table.shape
     kernel = functools.partial(_extend_kernel, scale=scale, block_q=block_q, block_k=block_k, group=group,
-                               window=window, page_size=page_size)
+                               window=window, page_size=page_size, stacked=stacked)
     per_req = lambda b, h, i: (b,)
     row_spec = pl.BlockSpec((None, num_rows, head_dim), lambda b, h, i: (h, 0, 0))
     return pl.pallas_call(
@@ -467,13 +486,13 @@ def _extend_call(
             pl.BlockSpec((num_rows,), lambda b, h, i: (0,)),
             row_spec,
             pl.BlockSpec((None, width), lambda b, h, i: (b, 0)),
-            *_kv_specs(kv, lambda b, h, i: h),
+            *_kv_specs(kv, lambda b, h, i: h, stacked),
         ],
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         interpret=interpret,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        name=f"jsgl_paged_extend_bq{block_q}_g{group}_bk{block_k}{_suffix(kv, page_size)}",
+        name=f"jsgl_paged_extend_bq{block_q}_g{group}_bk{block_k}{_suffix(kv, page_size, stacked)}",
     )(q_start, q_len, kv_lens, pos_rows, q_rows, block_table, *kv)
 
 

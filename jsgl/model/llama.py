@@ -10,6 +10,7 @@ hold (q/k/v and o biases; Qwen3's ``q_norm``/``k_norm``) and in the config's per
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -23,8 +24,9 @@ from jsgl.model.config import ModelConfig
 Params = dict[str, Any]
 # Per-layer K and V pools, each [num_kv_heads, num_slots, head_dim] (an Int8Pool in the 8-bit format): separate
 # buffers, like the weights, so every layer's scatter updates its own donated buffer in place and no layer slice
-# is ever copied.
-KVCache = tuple[list[kv_quant.KVPool], list[kv_quant.KVPool]]
+# is ever copied. A scanned model (stack_layers) has one stack [num_kv_heads, num_layers, num_slots, head_dim]
+# each for K and V instead, read and written at the layer (kv_quant.LayerPool).
+KVCache = tuple[list[kv_quant.KVPool] | kv_quant.KVPool, list[kv_quant.KVPool] | kv_quant.KVPool]
 # A layer's matmul weights ([in, out] arrays), grouped by the input they multiply. Packed for the CPU kernels
 # (with_packed_weights), each group becomes one PackedWeight named "wq+wk+wv" etc.: one call instead of three
 # (the down projection's key stays "w_down": the group of one).
@@ -75,9 +77,10 @@ def _mlp(h: jax.Array, layer: Params, eps: float) -> jax.Array:
     return h + mm(jax.nn.silu(mm(x, layer["w_gate"])) * mm(x, layer["w_up"]), layer["w_down"])
 
 
-def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
+def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32, scanned: bool = False) -> Params:
     """The params pytree of ``cfg`` as ``jax.ShapeDtypeStruct`` leaves (jsgl's layout: matrices [in, out]), as
-    the loader returns them: to lower or plan a model of any size without allocating it."""
+    the loader returns them (``scanned``: as ``stack_layers`` gives them): to lower or plan a model of any size
+    without allocating it."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     shape = lambda *dims: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
@@ -94,7 +97,37 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
                       "layers": [dict(layer) for _ in range(cfg.num_layers)]}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = shape(d, cfg.vocab_size)
+    if scanned:
+        params["layers"] = {name: shape(cfg.num_layers, *leaf.shape) for name, leaf in layer.items()}
     return params
+
+
+def is_scanned(params: Params) -> bool:
+    """Whether the layers' params are stacked (``stack_layers``): the forward then scans over them."""
+    return isinstance(params["layers"], dict)
+
+
+def stack_layers(params: Params, stack: Any = None) -> Params:
+    """The params with the layers' leaves stacked over a leading layer axis, for a forward that compiles one
+    layer and scans it (``forward_hidden``). ``stack(name, leaves)`` builds one stacked leaf (default
+    ``jnp.stack``; the runner's places it as tensor parallelism shards it). The layers' dicts of ``params`` are
+    emptied as their leaves are stacked, so an 8B model's weights are held about once, not twice."""
+    layers = params["layers"]
+    stack = stack or (lambda name, leaves: jnp.stack(leaves))
+    stacked = {name: stack(name, [layer.pop(name) for layer in layers]) for name in list(layers[0])}
+    return {**params, "layers": stacked}
+
+
+def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, int | None]]:
+    """The layers as runs of one sliding window: ``(first, end, window)``; a scanned forward scans each run."""
+    runs: list[tuple[int, int, int | None]] = []
+    for i in range(cfg.num_layers):
+        window = cfg.layer_window(i)
+        if runs and runs[-1][2] == window:
+            runs[-1] = (runs[-1][0], i + 1, window)
+        else:
+            runs.append((i, i + 1, window))
+    return runs
 
 
 def _from_blocks(group_blocks: list[Any]) -> bool:
@@ -214,6 +247,9 @@ def forward_hidden(
         attention = AttentionBackend("custom", attention)
     rope_cos_sin = rope_tables(meta.positions, jnp.asarray(cfg.rope_inv_freq()))
     h = params["embed"][token_ids]
+    if is_scanned(params):
+        h, kv = _scanned_layers(cfg, attention, rope_cos_sin, write_slots, meta, h, params["layers"], kv)
+        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv
     k_pools, v_pools = list(kv[0]), list(kv[1])
     # A Python loop, unrolled in the one jitted step: a lax.scan over stacked layers made XLA CPU copy
     # each layer's weights out of the stack before the matmuls (decode ran ~1.8x slower).
@@ -224,6 +260,39 @@ def forward_hidden(
         h, k_pools[i], v_pools[i] = _layer(cfg, attention, rope_cos_sin, write_slots, layer_meta, h, layer,
                                            k_pools[i], v_pools[i])
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), (k_pools, v_pools)
+
+
+def _scanned_layers(
+    cfg: ModelConfig,
+    attention: AttentionBackend,
+    rope_cos_sin: tuple[jax.Array, jax.Array],
+    write_slots: jax.Array,
+    meta: AttentionMetadata,
+    h: jax.Array,
+    layers: Params,
+    kv: KVCache,
+) -> tuple[jax.Array, KVCache]:
+    """The layers as one ``lax.scan`` per run of equal sliding windows (one for most models): XLA compiles one
+    layer, not ``num_layers`` copies. The stacked pools ride in the carry, each layer writing and reading its own
+    through a ``LayerPool``; the weights are indexed at the layer, as the scan would slice them."""
+    if attention.rope_write_attend is not None:
+        raise ValueError(f"attention backend {attention.name!r} fuses its K/V write (the CPU kernels): it needs "
+                         "per-layer pools, not a scanned model")
+
+    def one_layer(layer_meta: AttentionMetadata, carry: tuple, index: jax.Array) -> tuple[tuple, None]:
+        h, k_stack, v_stack = carry
+        layer = jax.tree.map(lambda leaf: leaf[index], layers)
+        h, k_view, v_view = _layer(cfg, attention, rope_cos_sin, write_slots, layer_meta, h, layer,
+                                   kv_quant.LayerPool(k_stack, index), kv_quant.LayerPool(v_stack, index))
+        return (h, k_view.stack, v_view.stack), None
+
+    carry = (h, *kv)
+    for first, end, window in layer_runs(cfg):
+        layer_meta = meta if window is None else dataclasses.replace(meta, sliding_window=window)
+        carry, _ = jax.lax.scan(functools.partial(one_layer, layer_meta), carry,
+                                jnp.arange(first, end, dtype=jnp.int32))
+    h, k_stack, v_stack = carry
+    return h, (k_stack, v_stack)
 
 
 def lm_logits(params: Params, hidden: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ from collections import Counter
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -186,9 +187,13 @@ class TensorParallel:
         return P(AXIS) if name in _BIAS else P()  # norms (and o's bias) replicated
 
     def param_specs(self, params: Params) -> Params:
-        """PartitionSpec of every leaf of a (padded) params pytree."""
-        return {**{k: self.spec(k, v.shape) for k, v in params.items() if k != "layers"},
-                "layers": [{k: self.spec(k, v.shape) for k, v in layer.items()} for layer in params["layers"]]}
+        """PartitionSpec of every leaf of a (padded) params pytree, per-layer or stacked (``stack_layers``)."""
+        layers = params["layers"]
+        if isinstance(layers, dict):  # stacked: the layer axis first, unsplit
+            layer_specs: Any = {k: P(None, *self.spec(k, v.shape[1:])) for k, v in layers.items()}
+        else:
+            layer_specs = [{k: self.spec(k, v.shape) for k, v in layer.items()} for layer in layers]
+        return {**{k: self.spec(k, v.shape) for k, v in params.items() if k != "layers"}, "layers": layer_specs}
 
     def place(self, name: str, w: np.ndarray) -> jax.Array:
         """Pad one host leaf (a padded copy where the layout pads it) and give each device its slice of it: no
@@ -201,6 +206,11 @@ class TensorParallel:
         """Where the (padded) leaf ``name`` of this shape lives: what ``place`` gives it, and where a restored
         checkpoint puts it."""
         return NamedSharding(self.mesh, self.spec(name, shape))
+
+    def stack_leaf(self, name: str, leaves: list[jax.Array]) -> jax.Array:
+        """One leaf of every layer (placed) stacked over a leading layer axis, each device keeping its slices."""
+        spec = P(None, *self.spec(name, leaves[0].shape))
+        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=NamedSharding(self.mesh, spec))(*leaves)
 
     def shard_params(self, params: Params) -> Params:
         """Pad on the host and place each leaf with its NamedSharding (each device gets only its slice)."""
@@ -231,8 +241,8 @@ class TensorParallel:
 
 
 def _head_spec(x: Any) -> P:
-    """A pool leaf split over its leading (KV head) axis."""
-    return P(AXIS, *(None,) * (x.ndim - 1))
+    """A pool leaf split over its leading (KV head) axis (a scanned model's layer index, a scalar, is replicated)."""
+    return P(AXIS, *(None,) * (x.ndim - 1)) if x.ndim else P()
 
 
 def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool: Any,
