@@ -34,7 +34,8 @@ ENGINE_HELP = {
     "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), cpu (C++ kernel); auto: pallas on a "
                          "GPU, cpu on a CPU that builds the kernels (float32, --tp 1), else native",
     "layers": "the model's layers as one lax.scan (compiles one layer: start-up that does not grow with depth) or "
-              "unrolled (faster on CPU; needed by the CPU kernels); auto: scanned on a GPU/TPU, unrolled on CPU",
+              "unrolled (faster on CPU; needed by the CPU kernels); auto: scanned on a TPU, unrolled on a GPU (until "
+              "its speed is measured there) and CPU",
     "dtype": "dtype of weights and activations (matmuls accumulate in float32); auto: float32 on CPU, bfloat16 on "
              "a GPU/TPU",
     "kv_dtype": "KV cache dtype; int8: 8-bit values with a scale per token and head; auto: --dtype's",

@@ -76,16 +76,18 @@ def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int =
     if attention == "pallas" and page_size & (page_size - 1):
         raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
                          "size must be a power of two (1, 2, 4, ..., 64)")
-    return Backends(attention, matmul, tp, _scanned(layers, attention, matmul, on_cpu))
+    return Backends(attention, matmul, tp, _scanned(layers, attention, matmul, platform))
 
 
-def _scanned(layers: str, attention: str, matmul: str, on_cpu: bool) -> bool:
-    """Scan the layers on an accelerator (compile time that does not grow with depth); unroll them on CPU, where
-    XLA copied each layer's weights out of the stack before its matmuls (decode ~1.8x slower) and the C++
-    kernels take per-layer pools and packed weights."""
+def _scanned(layers: str, attention: str, matmul: str, platform: str) -> bool:
+    """Scan the layers on a TPU (compile time that does not grow with depth; the layout TPU programs commonly use,
+    MaxText's scan_layers). Unroll them on CPU, where XLA copied each layer's weights out of the stack before
+    its matmuls (decode ~1.8x slower) and the C++ kernels take per-layer pools and packed weights; and on a GPU,
+    where XLA of jax 0.10-0.12 may copy them too (its dynamic-slice fusion is off by default) and a scanned
+    step's speed is not measured yet (docs/performance.md)."""
     if layers not in ("auto", "scanned", "unrolled"):
         raise ValueError(f"layers must be auto, scanned or unrolled, not {layers!r}")
     if layers == "scanned" and (attention == "cpu" or matmul != "xla"):
         raise ValueError(f"layers=scanned: the CPU kernels (attention {attention!r}, matmul {matmul!r}) take each "
                          "layer's own pools and packed weights; use attention_backend=native and matmul_backend=xla")
-    return layers == "scanned" or (layers == "auto" and not on_cpu)
+    return layers == "scanned" or (layers == "auto" and platform == "tpu")

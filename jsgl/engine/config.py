@@ -33,7 +33,8 @@ class EngineConfig:
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | cpu
     # The layers as one lax.scan (one layer compiled: compile time that does not grow with depth) or unrolled:
-    # auto = scanned on a GPU/TPU, unrolled on CPU (faster there, and what the CPU kernels need).
+    # auto = scanned on a TPU; unrolled on CPU (faster there, and what the CPU kernels need) and on a GPU, until a
+    # scanned step's speed is measured there (docs/performance.md).
     layers: str = "auto"  # auto | scanned | unrolled
     # Weights and activations (matmuls accumulate in float32), and the KV pool: auto = float32 on CPU,
     # bfloat16 on GPU/TPU; kv auto follows dtype (jsgl.engine.memory.resolve_dtypes). KV int8: the 8-bit format,
