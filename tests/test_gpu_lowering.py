@@ -116,7 +116,7 @@ def test_tp4_step_lowers_for_cuda_with_a_kernel_per_shard():
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_scanned_step_lowers_for_cuda_with_one_layer_and_its_stacks_in_place(name):
-    """layers=scanned (the accelerator default): the 32 layers are one while loop over one layer's program, its
+    """layers=scanned (the TPU default): the 32 layers are one while loop over one layer's program, its
     one Triton kernel reading the layer from the stacked pools, and both stacks (K and V) donated."""
     text = lowered_step(LAYOUTS[name], "cuda", dtype=jnp.bfloat16, scanned=True)
     assert summary(text) == {"triton": 1, "cpu_ffi": 0, "donated": 2, "partitions": 1}

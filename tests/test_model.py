@@ -154,7 +154,7 @@ def test_int8_kv_engine_serves_a_batch_close_to_float32(engine, tokenizer):
 
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "int8")])
 def test_scanned_layers_give_the_unrolled_logits(tokenizer, dtype, kv_dtype):
-    """layers=scanned (the accelerator default: one layer compiled, a lax.scan over stacked weights and stacked
+    """layers=scanned (the TPU default: one layer compiled, a lax.scan over stacked weights and stacked
     pools) against layers=unrolled on the real model, same backends (pure JAX). float32: identical prompt logprobs
     at every position, and identical greedy tokens and logprobs over a batch whose requests decode and extend
     together. bfloat16 weights with the 8-bit KV: within bfloat16's rounding (XLA rounds activations to bfloat16

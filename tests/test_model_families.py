@@ -169,7 +169,7 @@ def test_logits_and_greedy_match_transformers(checkpoints, family):
 def test_pallas_backend_honours_the_window(checkpoints, family, page_size, layers):
     # The GPU backend's kernels (here in Pallas interpret mode) mask the window themselves, in 16-token extends
     # and in decode past the window; with pages of 4 slots they read the engine's page tables; scanned (the
-    # accelerator default), each layer's from the stacked pools.
+    # TPU default), each layer's from the stacked pools.
     folder, model = checkpoints[family]
     tokenizer = load_tokenizer(folder)
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]

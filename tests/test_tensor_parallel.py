@@ -141,7 +141,7 @@ def child_main(out_path: str) -> None:
         }
         del runner, params
 
-    # Scanned layers (the accelerator default) at tp=2: weights stacked over layers and the pool one stack per K/V,
+    # Scanned layers (the TPU default) at tp=2: weights stacked over layers and the pool one stack per K/V,
     # each split over its heads' axis as the per-layer ones are.
     runner = ModelRunner(config, np_params, 64, attention_backend="native", matmul_backend="xla", tp=2,
                          layers="scanned")
