@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 
@@ -299,6 +300,23 @@ def test_internal_errors_carry_an_id_not_the_exception(server, http, engine, mon
     resp = http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
     message = assert_error(resp, 500, "error id")
     assert "SECRET" not in message and "RuntimeError" not in message
+
+
+def test_no_logs_keeps_the_request_out_of_the_log(server, engine, monkeypatch, caplog):
+    """SGLang's `no_logs` (sglang-router sends it on every request): an internal error of such a request is logged
+    by its id alone, without the exception's text, which may quote the request."""
+    def broken(*args, **kw):
+        raise RuntimeError("SECRET prompt text")
+
+    monkeypatch.setattr(engine, "submit_batch", broken)
+    for no_logs in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="jsgl.server"):
+            # A fresh connection each: uvicorn closes one whose request raised through the `Exception` handler.
+            resp = httpx.post(f"{server.url}/generate", json={"text": "Hi", "no_logs": no_logs}, timeout=60)
+        error_id = assert_error(resp, 500, "error id").rsplit("error id ", 1)[1].rstrip(")")
+        assert error_id in caplog.text
+        assert ("SECRET" in caplog.text) != no_logs, caplog.text
 
 
 def test_small_constraints_are_served_while_heavy_builds_pend_and_abandoned_builds_stop(server, http, solo):

@@ -58,10 +58,24 @@ def test_sglang_client_body_is_accepted():
 
 @pytest.mark.parametrize("field, value, why", [
     ("image_data", "x.png", "text-only"), ("lora_path", "adapter", "LoRA"),
-    ("custom_logit_processor", "f", "custom logit processors"), ("session_params", {"id": 1}, "sessions")])
+    ("custom_logit_processor", "f", "custom logit processors"), ("session_params", {"id": 1}, "sessions"),
+    ("return_entropy", True, "entropy"), ("return_bytes", True, "not images"), ("extra_key", "t1", "prefix cache")])
 def test_unsupported_request_fields_name_themselves(field, value, why):
     with pytest.raises(ValueError, match=f"`{field}` is not supported: .*{why}"):
         GenerateRequest.model_validate({"text": "Hi", field: value})
+
+
+def test_sglang_router_body_is_accepted():
+    """The body sglang-router 0.3.2 forwards (captured from it): its own fields at their off values, `model` null."""
+    body = {"text": "Hi", "model": None, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+            "return_logprob": True, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+            "return_hidden_states": False, "background": False, "priority": 2, "no_logs": False,
+            "custom_labels": {"a": "b"}, "return_bytes": False, "return_entropy": False, "rid": "r1"}
+    req = GenerateRequest.model_validate(body)
+    assert req.rid == "r1" and req.priority == 2 and req.return_logprob and not req.no_logs
+    assert GenerateRequest.model_validate({"text": "Hi", "model": "smollm2-135m", "no_logs": True}).no_logs
+    with pytest.raises(ValueError, match="no_log\n  Extra inputs"):  # a truly unknown field is still refused
+        GenerateRequest.model_validate({"text": "Hi", "no_log": True})
 
 
 @pytest.mark.parametrize("params, message", [

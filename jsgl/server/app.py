@@ -4,8 +4,8 @@
     serve(EngineConfig(...), host="127.0.0.1", port=30000, api_key=None)   # `jsgl serve`
 
 Endpoints: POST /generate, /tokenize, /v1/completions, /v1/chat/completions, /flush_cache,
-/abort_request, /concate_and_append_request; GET /v1/models, /v1/models/{id}, /get_model_info,
-/get_server_info (= /server_info), /metrics (Prometheus), /health, /health_generate. With an API key every
+/abort_request, /concate_and_append_request; GET /v1/models, /v1/models/{id}, /get_model_info (= /model_info),
+/get_server_info (= /server_info), /get_load, /metrics (Prometheus), /health, /health_generate. With an API key every
 endpoint but /health wants `Authorization: Bearer <key>`. Errors are `{"error": {"message", "type",
 "param", "code"}}`: 400 for bad input, 401 for a bad key, 500 when generation itself fails.
 """
@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jsgl.errors import InvalidRequestError, OverloadedError
 from jsgl.server import generate_api, openai_api, openai_chat
-from jsgl.server.common import APIError, ServerState, error_body, server_state
+from jsgl.server.common import APIError, ServerState, UnloggedError, error_body, server_state
 from jsgl.server.limits import BodySizeLimit, ServerLimits
 from jsgl.server.protocol import JSGL_EXTENSIONS, AbortRequest, ConcateAndAppendRequest
 
@@ -113,11 +113,21 @@ def _install_error_handlers(app: FastAPI) -> None:
         # The client gets an id to quote, never the exception text (it may hold another request's input).
         error_id = secrets.token_hex(6)
         log.exception("request failed (error id %s)", error_id)
-        stopped = not server_state(request).engine.alive()
-        status = 503 if stopped else 500
-        message = "the engine is shut down" if stopped else "internal server error"
-        return JSONResponse(error_body(f"{message} (error id {error_id})", status, "server_error"),
-                            status_code=status)
+        return _internal_error(request, error_id)
+
+    @app.exception_handler(UnloggedError)
+    async def _unlogged(request: Request, exc: UnloggedError) -> JSONResponse:
+        error_id = secrets.token_hex(6)
+        log.error("request failed (error id %s): %s; no details, as the request asked (no_logs)", error_id, exc.kind)
+        return _internal_error(request, error_id)
+
+
+def _internal_error(request: Request, error_id: str) -> JSONResponse:
+    stopped = not server_state(request).engine.alive()
+    status = 503 if stopped else 500
+    message = "the engine is shut down" if stopped else "internal server error"
+    return JSONResponse(error_body(f"{message} (error id {error_id})", status, "server_error"),
+                        status_code=status)
 
 
 def _install_admin_routes(app: FastAPI) -> None:
@@ -140,11 +150,13 @@ def _install_admin_routes(app: FastAPI) -> None:
         return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=200 if healthy else 503)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # SGLang's newer name, which sglang-router asks for first
     async def model_info(request: Request) -> dict[str, Any]:
         state = server_state(request)
         tok, cfg = state.engine.tokenizer, state.engine.model_config
         # The chat template and special tokens let an HTTP client (RuntimeEndpoint) compute role markers.
         return {"model_path": state.model_name, "tokenizer_path": state.model_name, "is_generation": True,
+                "model_type": cfg.architecture,
                 "max_context": state.max_context, "vocab_size": int(cfg.vocab_size),
                 "chat_template": getattr(tok, "chat_template", None), "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token,
@@ -156,9 +168,25 @@ def _install_admin_routes(app: FastAPI) -> None:
     async def server_info(request: Request) -> dict[str, Any]:
         state = server_state(request)
         engine = state.engine
-        return {**dataclasses.asdict(engine.config), **engine.stats(), "max_context": state.max_context,
+        stats = engine.stats()
+        # SGLang's ServerArgs names for what sglang-router reads (the model's id for its /v1/models, dp_size).
+        sglang_names = {"model_path": state.model_name, "tokenizer_path": state.model_name,
+                        "served_model_name": state.model_name, "dp_size": 1, "tp_size": engine.config.tp,
+                        "max_total_tokens": stats["total_slots"]}
+        return {**dataclasses.asdict(engine.config), **stats, **sglang_names, "max_context": state.max_context,
                 "active_requests": len(state.registry),
                 "client_aborts": state.registry.client_aborts, "idle": engine.idle(), "version": _version()}
+
+    @app.get("/get_load")
+    async def get_load(request: Request) -> list[dict[str, int]]:
+        """SGLang's load report, one entry per data-parallel rank (jsgl has one): sglang-router's power_of_two
+        policy and its /get_loads read `num_tokens`, the KV slots requests hold (the evictable prefix cache not
+        counted, as SGLang counts them)."""
+        engine = server_state(request).engine
+        stats = engine.stats()
+        held = stats["total_slots"] - stats["free_slots"] - engine.prefix_cache.evictable_size()
+        return [{"dp_rank": 0, "num_reqs": stats["running_requests"] + stats["queued_requests"],
+                 "num_waiting_reqs": stats["queued_requests"], "num_tokens": max(held, 0)}]
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -25,6 +25,16 @@ class APIError(Exception):
         self.message, self.status, self.type, self.param = message, status, type_, param
 
 
+class UnloggedError(Exception):
+    """An internal error of a request that asked for no logs (SGLang's `no_logs`): answered as any other (a 500
+    with an error id), but logged by its id and the exception's type alone, and handled where no traceback of it
+    reaches a log (an `Exception` handler's error would reach uvicorn's)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
 @dataclasses.dataclass
 class ServerState:
     engine: Any

@@ -22,13 +22,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jsgl.engine.request import GenerateOutput, StreamChunk
 from jsgl.engine.sampling_params import SamplingParams, expand_parallel_samples
 from jsgl.engine.spanned_prompt import SpannedPrompt, tokenize_prompt
+from jsgl.errors import InvalidRequestError, OverloadedError
 from jsgl.server.common import (
     APIError,
     ServerState,
+    UnloggedError,
     check_batch,
     check_max_tokens,
     finish_reason_dict,
@@ -168,8 +171,23 @@ def generate_body(state: ServerState, out: GenerateOutput, return_logprob: bool,
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta}
 
 
+# Errors with handlers of their own (answered 4xx/503, logged without the request): what no_logs lets through.
+_HANDLED = (APIError, InvalidRequestError, OverloadedError, StarletteHTTPException)
+
+
 @router.post("/generate")
 async def generate(req: GenerateRequest, request: Request) -> Any:
+    if not req.no_logs:
+        return await _generate(req, request)
+    try:
+        return await _generate(req, request)
+    except _HANDLED:
+        raise
+    except Exception as exc:  # SGLang's no_logs: an internal error logged by its type alone (UnloggedError)
+        raise UnloggedError(type(exc).__name__) from None
+
+
+async def _generate(req: GenerateRequest, request: Request) -> Any:
     state = server_state(request)
     prompts, single = _prompts(req)
     check_batch(state, len(prompts))

@@ -72,12 +72,16 @@ UNSUPPORTED_REQUEST_FIELDS: dict[str, str] = {
                      "decode_tp_size", "disagg_prefill_dp_rank"), "prefill/decode disaggregation is not implemented"),
     **dict.fromkeys(("data_parallel_rank", "routed_dp_rank"), "jsgl serves one data-parallel rank"),
     "watermark": "jsgl does not implement watermarking",
+    # sglang-router forwards these (off) on every /generate.
+    "return_bytes": "jsgl generates text, not images (SGLang returns an image's bytes)",
+    "return_entropy": "jsgl does not return the output distribution's entropy",
+    "extra_key": "jsgl keeps one prefix cache for all requests (no extra_key namespaces)",
     "background": "background requests are not implemented",
     "require_reasoning": "reasoning control is not implemented",
 }
 # Fields accepted and ignored, as they change nothing about the result (logging and routing hints).
 IGNORED_REQUEST_FIELDS = ("log_metrics", "routing_key", "conversation_id", "http_worker_ipc",
-                          "return_prompt_token_ids", "routed_experts_start_len")
+                          "return_prompt_token_ids", "routed_experts_start_len", "custom_labels")
 
 
 # Request fields of jsgl's own, named in /get_model_info so that a client sends them only to a server taking them.
@@ -112,6 +116,11 @@ class GenerateRequest(_ValidUnicode, _Strict):
     top_logprobs_num: int | list[int] | None = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    # sglang-router sends both on every request. `model` is informational (a server serves one model; null from a
+    # router that has none); `no_logs` (SGLang's "disallow logging for this request", e.g. zero data retention):
+    # jsgl logs no prompt or output anyway, and for such a request not even an internal error's text (app.py).
+    model: str | None = None
+    no_logs: bool = False
     # True: a special token's string in `text` is ordinary text (transformers' split_special_tokens), as chat
     # messages are; off by default, since /generate takes raw prompts that may hold a template's markers.
     split_special_tokens: bool | list[bool] = False
