@@ -776,12 +776,12 @@ def test_grow_and_alloc_edge_cases():
     sched, alloc = make(capacity=16)
     a = seq(range(4), rid="a")
     a.slots = np.zeros(0, np.int32)
-    assert sched.grow(a, 0) and len(a.slots) == 0
-    assert sched._alloc(0).dtype == np.int32 and len(sched._alloc(0)) == 0
-    assert len(sched._alloc(-3)) == 0 and alloc.num_free() == 16
-    assert sched.grow(a, 5) and len(a.slots) == 5 and alloc.num_free() == 11
-    assert sched.grow(a, 3) and len(a.slots) == 5
-    assert not sched.grow(a, 17) and len(a.slots) == 5 and alloc.num_free() == 11
+    assert sched.kv.grow(a, 0) and len(a.slots) == 0
+    assert sched.kv._alloc(0).dtype == np.int32 and len(sched.kv._alloc(0)) == 0
+    assert len(sched.kv._alloc(-3)) == 0 and alloc.num_free() == 16
+    assert sched.kv.grow(a, 5) and len(a.slots) == 5 and alloc.num_free() == 11
+    assert sched.kv.grow(a, 3) and len(a.slots) == 5
+    assert not sched.kv.grow(a, 17) and len(a.slots) == 5 and alloc.num_free() == 11
 
 
 # ---------------------------------------------------------------- fairness (a long prompt beside decodes)

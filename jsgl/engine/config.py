@@ -45,7 +45,7 @@ class EngineConfig:
     attention_budget_gb: float = 0.5  # bound on an extend step's padded attention scores
     prefix_cache: str = "radix"  # radix | flat | none
     # Fig. 8(a)(b): use only this fraction of each radix prefix match (the rest is recomputed), which sets
-    # a workload's cache hit rate (Scheduler.match_fraction). 1.0: the whole match.
+    # a workload's cache hit rate (SequenceKV.match_fraction). 1.0: the whole match.
     cache_match_fraction: float = 1.0
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
     starvation_s: float | None = 30.0  # waiting longer than this goes first

@@ -73,7 +73,7 @@ class OverlapScheduler:
                 next_items.append(ForwardItem(np.zeros(1, np.int32), 0, np.zeros(1, np.int32)))  # writes slot 0
                 continue
             position = seq.num_tokens  # of the token `pending` samples
-            if not sched.grow(seq, position + 1):  # may evict from the cache
+            if not sched.kv.grow(seq, position + 1):  # may evict from the cache
                 return None
             next_items.append(dataclasses.replace(item, token_ids=np.zeros(1, np.int32), start_pos=position,
                                                   slots=seq.slots, step=len(seq.output_ids) + 1))

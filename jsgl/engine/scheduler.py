@@ -14,11 +14,10 @@ import math
 import time
 from typing import Any
 
-import numpy as np
-
 from jsgl.engine.kv_pool import SlotAllocator
 from jsgl.engine.model_runner import bucket
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.sequence_kv import SequenceKV
 from jsgl.radix.cache_base import PrefixCacheBase
 from jsgl.radix.no_cache import NoPrefixCache
 
@@ -71,6 +70,7 @@ class Scheduler:
                  prefill_share: float = 1.0):
         self.allocator = allocator
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
+        self.kv = SequenceKV(allocator, self.cache, match_fraction)  # each sequence's slots: match, grow, release
         self.max_running = max_running
         self.chunk_size = chunk_size
         # A request stops growing here (FinishReason.LENGTH): past the pool's size it could never be
@@ -81,9 +81,6 @@ class Scheduler:
         # False: attention costs the batch's real lengths (ragged kernel), so chunks of any lengths mix.
         self.padded_attention = padded_attention
         self.order_waiting = order_waiting  # policy hook: list[Sequence] -> list[Sequence]
-        # Fig. 8(a)(b)'s hit-rate sweep: admission reuses only this leading fraction of each prefix match (the
-        # rest is recomputed, and its duplicate slots freed when the sequence is inserted back).
-        self.match_fraction = match_fraction
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prefill not finished (chunked)
         self.running: list[Sequence] = []  # decoding
@@ -111,45 +108,6 @@ class Scheduler:
 
     def num_active(self) -> int:
         return len(self.prefilling) + len(self.running)
-
-    # ------------------------------------------------------------------------------- allocation
-    def _alloc(self, num: int) -> np.ndarray | None:
-        if num <= 0:
-            return np.zeros(0, np.int32)
-        slots = self.allocator.alloc(num)
-        if slots is None:
-            self.cache.evict(num - self.allocator.num_free())
-            slots = self.allocator.alloc(num)
-        return slots
-
-    def grow(self, seq: Sequence, upto: int) -> bool:
-        """Make sure ``seq`` has slots for positions [0, upto), evicting from the cache if short; False when
-        they cannot be had (the engine's overlapped decode step asks for the position after the last token)."""
-        missing = upto - len(seq.slots)
-        if missing <= 0:
-            return True
-        new = self._alloc(missing)
-        if new is None:
-            return False
-        seq.slots = np.concatenate([seq.slots, new])
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        """Give a sequence's KV back: what the prefix cache takes stays there, the rest goes to the allocator."""
-        computed = seq.num_computed
-        keep = computed - computed % self.allocator.page_size
-        if keep > 0:
-            already = self.cache.insert(seq.token_ids[:keep], seq.slots[:keep])
-            # The cache already held [0, already); our own copies of [num_cached, already) duplicate it.
-            self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
-        else:
-            keep = seq.num_cached
-        self.allocator.free(seq.slots[max(keep, seq.num_cached):])
-        if seq.prefix_node is not None:
-            self.cache.dec_lock_ref(seq.prefix_node)
-        seq.slots = np.zeros(0, np.int32)
-        seq.prefix_node = None
-        seq.num_computed = seq.num_cached = 0
 
     # ---------------------------------------------------------------------------------- batching
     def schedule(self) -> Batch | None:
@@ -196,21 +154,6 @@ class Scheduler:
             self.stats.decode_steps += 1
         else:
             self.stats.extend_steps += 1
-
-    def _match_prefix(self, seq: Sequence) -> None:
-        # Always compute at least the last token (its logits pick the next one), and recompute
-        # from where prompt logprobs are wanted (they need the logits of the preceding position).
-        limit = seq.num_tokens - 1
-        if seq.wants_prompt_logprobs:
-            limit = min(limit, max(seq.params.logprob_start_len - 1, 0))
-        if self.match_fraction < 1.0:
-            limit = min(limit, int(self.cache.match_len(seq.token_ids[:limit]) * self.match_fraction))
-        slots, node = self.cache.match_prefix(seq.token_ids[:limit])
-        page = self.allocator.page_size
-        usable = len(slots) - len(slots) % page
-        seq.slots, seq.prefix_node = np.asarray(slots[:usable], np.int32), node
-        seq.num_computed = seq.num_cached = usable
-        self.cache.inc_lock_ref(node)
 
     def _schedule_mixed(self) -> Batch | None:
         """Every running request's decode token(s), plus prefill within ``mixed_prefill_tokens``."""
@@ -287,9 +230,9 @@ class Scheduler:
         held: list[Sequence] = []  # long prompts behind the long prefill under way
         while self.waiting and budget > 0 and (self.num_active() < self.max_running or preempting):
             seq = self.waiting.pop(0)
-            self._match_prefix(seq)
+            self.kv.match_prefix(seq)
             if long_under_way and seq.num_tokens - seq.num_computed > self.chunk_size:
-                self.release(seq)
+                self.kv.release(seq)
                 held.append(seq)
                 if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:
                     break
@@ -297,13 +240,13 @@ class Scheduler:
             if self._shared_uncached(seq, seqs) >= IN_BATCH_PREFIX_MIN:
                 # Its prefix is being computed in this very step: admit it next step, when the tree
                 # has that prefix, instead of computing the same tokens twice.
-                self.release(seq)
+                self.kv.release(seq)
                 deferred.append(seq)
                 if len(held) + len(deferred) >= MAX_DEFERRED_SCAN:  # bound the scan of a long queue per step
                     break
                 continue
             if self.num_active() >= self.max_running and not (preempting and self._preempt_for(seq)):
-                self.release(seq)
+                self.kv.release(seq)
                 self.waiting.insert(0, seq)
                 break
             chunk = min(seq.num_tokens - seq.num_computed, self._affordable(seq, budget, mixed))
@@ -322,10 +265,10 @@ class Scheduler:
         for seq in list(deferred):
             if budget <= 0 or self.num_active() >= self.max_running:
                 break
-            self._match_prefix(seq)
+            self.kv.match_prefix(seq)
             new = seq.num_tokens - seq.num_computed
             if self._shared_uncached(seq, seqs) * FILL_SHARED_RATIO > new:
-                self.release(seq)
+                self.kv.release(seq)
             elif self._admit(seq, min(new, self._affordable(seq, budget, mixed)), seqs, chunks, fits):
                 deferred.remove(seq)  # (on failure _admit has released it)
                 budget -= self._cost(seq, chunks[-1], mixed)
@@ -336,7 +279,7 @@ class Scheduler:
                 if budget <= 0:
                     break
                 extra = min(seq.num_tokens - upto, self._affordable(seq, budget, shrink, at=upto))
-                if extra > 0 and self.grow(seq, upto + extra):
+                if extra > 0 and self.kv.grow(seq, upto + extra):
                     chunks[row] += extra
                     budget -= extra
         if len(seqs) == base:
@@ -370,8 +313,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, chunk: int, seqs: list[Sequence], chunks: list[int], fits: Any) -> bool:
         """Add a waiting sequence (its prefix matched) to the extend batch being built, or release it: False."""
-        if not fits(seq, chunk) or not self.grow(seq, seq.num_computed + chunk):
-            self.release(seq)
+        if not fits(seq, chunk) or not self.kv.grow(seq, seq.num_computed + chunk):
+            self.kv.release(seq)
             return False
         if not seq.admitted:
             seq.admitted = True
@@ -421,7 +364,7 @@ class Scheduler:
         self.running.sort(key=lambda s: (-s.params.priority, s.arrival_time))
         while self.running:
             short = [s for s in self.running if len(s.slots) < s.num_tokens]
-            if all(self.grow(s, s.num_tokens) for s in short):
+            if all(self.kv.grow(s, s.num_tokens) for s in short):
                 break
             self.retract(self.running[-1])
         if not self.running:
@@ -434,7 +377,7 @@ class Scheduler:
     def _grow_prefill(self, seq: Sequence, upto: int) -> bool:
         """``grow`` for a prefill under way; short of slots, newer prefills give theirs back (the newest first), so
         the oldest always progresses: two half-done prompts that the pool cannot both hold would wait forever."""
-        while not self.grow(seq, upto):
+        while not self.kv.grow(seq, upto):
             newer = self.prefilling[self.prefilling.index(seq) + 1:]
             if not newer:
                 return False
@@ -445,28 +388,9 @@ class Scheduler:
         """Free a running (or prefilling) sequence's KV and requeue it; its tokens so far are recomputed later
         (those the prefix cache keeps are reused)."""
         (self.running if seq in self.running else self.prefilling).remove(seq)
-        self.release(seq)
+        self.kv.release(seq)
         self.waiting.insert(0, seq)
         self.stats.retractions += 1
-
-    def cache_computed_prefix(self, seq: Sequence) -> None:
-        """Insert what an unfinished sequence has computed, so requests admitted later share it now.
-
-        Where the tree already held some of those tokens (another request computed them first), our
-        duplicate slots are freed and the sequence switches to the tree's copies.
-        """
-        keep = seq.num_computed - seq.num_computed % self.allocator.page_size
-        if not self.cache.keeps_prefixes or keep <= seq.num_cached:
-            return
-        tokens = seq.token_ids[:keep]
-        already = self.cache.insert(tokens, seq.slots[:keep])
-        self.allocator.free(seq.slots[seq.num_cached: max(already, seq.num_cached)])
-        slots, node = self.cache.match_prefix(tokens)
-        seq.slots = np.concatenate([np.asarray(slots, np.int32), seq.slots[keep:]])
-        self.cache.inc_lock_ref(node)
-        if seq.prefix_node is not None:
-            self.cache.dec_lock_ref(seq.prefix_node)
-        seq.prefix_node, seq.num_cached = node, keep
 
     def after_step(self, batch: Batch) -> None:
         """Cache fresh prefill KV; move sequences whose prefill completed into the running set."""
@@ -474,7 +398,7 @@ class Scheduler:
             for seq, chunk in zip(batch.seqs, batch.chunks):
                 # (A mixed step's one-token decodes are not prefill: they go in when the request finishes.)
                 if not seq.finished and (chunk > 1 or seq in self.prefilling):
-                    self.cache_computed_prefix(seq)
+                    self.kv.cache_computed_prefix(seq)
         for i, seq in enumerate(batch.seqs):
             # Prefill is over once the request has sampled; a jump-forward on that sample leaves forced tokens
             # to compute, which decode steps do (held in `prefilling`, it could never be retracted: a deadlock).
@@ -487,7 +411,7 @@ class Scheduler:
     def drop(self, seq: Sequence) -> None:
         """Remove a sequence from every queue (finished or aborted) and free its KV."""
         if seq.prefix_node is not None or len(seq.slots):
-            self.release(seq)
+            self.kv.release(seq)
         for queue in (self.waiting, self.prefilling, self.running):
             if seq in queue:
                 queue.remove(seq)
