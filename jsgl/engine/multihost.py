@@ -47,13 +47,15 @@ class StepMessage:
 
 def initialize(dist_init_addr: str, nnodes: int, node_rank: int, timeout_s: int) -> None:
     """Join the ``nnodes`` processes (before anything touches a jax backend). ``timeout_s`` bounds the wait for
-    the others to join and how long a silent peer counts as alive."""
+    the others to join, how long a silent peer counts as alive, and how long an exiting process waits for the
+    others at shutdown."""
     if jax.distributed.is_initialized():
         return
     # CPU devices of different processes talk through gloo (jax 0.10's default, set so the choice is visible).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(dist_init_addr, num_processes=nnodes, process_id=node_rank,
-                               initialization_timeout=max(timeout_s, 1), heartbeat_timeout_seconds=max(timeout_s, 1))
+                               initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
+                               shutdown_timeout_seconds=timeout_s)
     log.info("process %d of %d joined at %s: %d devices in all, %d here", node_rank, nnodes, dist_init_addr,
              jax.device_count(), jax.local_device_count())
 
