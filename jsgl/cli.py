@@ -64,7 +64,7 @@ ENGINE_HELP = {
     "nnodes": "multi-host: the number of processes (nodes) one engine spans; rank 0 serves, the others follow "
               "its steps",
     "node_rank": "multi-host: this process's rank, 0 to nnodes - 1",
-    "dist_timeout_s": "multi-host: seconds to wait for the other processes to join, and after which a silent one "
+    "dist_timeout": "multi-host: seconds to wait for the other processes to join, and after which a silent one "
                       "counts as dead (every process then exits with that reason)",
     "weights_cache": "save the weights as placed (dtype, tp shards) as an orbax checkpoint and restore them on the "
                      "next start: auto (GGUF models only), orbax (also HF folders), off",

@@ -4,7 +4,7 @@ in one process (two forced host devices) gives, and a process that loses its pee
 The runs are children (this file as a script): a jax backend's device count and its distributed system are fixed
 when it starts. The reference child writes its outputs as JSON; rank 0 of the pair writes its own, then waits for
 the test to kill rank 1, asks for one more request and reports what happened until jax's coordination service ends
-it (``dist_timeout_s`` after the peer's heartbeats stop).
+it (``dist_timeout`` after the peer's heartbeats stop).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PARAMS = [GREEDY] * len(PROMPTS) + [
 PROMPTS = PROMPTS + PROMPTS[:2]
 ENGINE = {"model": "smollm2-135m", "tp": 2, "num_kv_slots": 1024, "max_running_requests": 8,
           "chunked_prefill_size": 32, "prefill_share": 1.0, "precompile": "off", "weights_cache": "off"}
-TIMEOUT_S = 5  # the pair's dist_timeout_s: how long a dead peer goes unnoticed by the coordination service
+TIMEOUT_S = 5  # the pair's dist_timeout: how long a dead peer goes unnoticed by the coordination service
 
 
 # ------------------------------------------------------------------------------------------ children
@@ -63,7 +63,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
 
     from jsgl.engine.engine import Engine
 
-    engine = Engine(**ENGINE, dist_init_addr=f"127.0.0.1:{port}", nnodes=2, node_rank=rank, dist_timeout_s=TIMEOUT_S)
+    engine = Engine(**ENGINE, dist_init_addr=f"127.0.0.1:{port}", nnodes=2, node_rank=rank, dist_timeout=TIMEOUT_S)
     if rank > 0:
         engine.follow()
         return

@@ -8,7 +8,7 @@ a step, run it, until rank 0 says stop. The tokens every process computes are re
 
 A message is two broadcasts (``multihost_utils.broadcast_one_to_all``, one all-reduce each over jax's CPU
 collectives (gloo) or the accelerator's): a fixed header (kind, shape, flags), then the arrays it announces.
-A lost peer fails the next collective ("connection closed by peer") and, within ``dist_timeout_s``, jax's
+A lost peer fails the next collective ("connection closed by peer") and, within ``dist_timeout``, jax's
 coordination service sees its heartbeats stop and terminates every remaining process with that reason.
 """
 
