@@ -60,7 +60,7 @@ ENGINE_HELP = {
     "tp": "tensor-parallel degree, in local devices; with --nnodes > 1 in all processes' devices (devices per node "
           "x nnodes)",
     "dist_init_addr": "multi-host: HOST:PORT of node rank 0 and a free port there, where the processes meet "
-                      "(jax.distributed)",
+                      "(jax.distributed; default: none, one process)",
     "nnodes": "multi-host: the number of processes (nodes) one engine spans; rank 0 serves, the others follow "
               "its steps",
     "node_rank": "multi-host: this process's rank, 0 to nnodes - 1",
