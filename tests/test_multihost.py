@@ -120,6 +120,9 @@ def channel_main(rank: int, port: int, out: str) -> None:
     if rank == 0:
         for message in messages:
             channel.send(message)
+        channel.keepalive()  # not yet due: sends nothing
+        multihost.KEEPALIVE_S = 0.0
+        channel.keepalive()
         channel.send_control(multihost.RESET_KV)
         os._exit(0)  # gone without a stop message
     same = []
@@ -132,8 +135,8 @@ def channel_main(rank: int, port: int, out: str) -> None:
                     and got.step.layout == sent.step.layout and (got.prompt_k, got.after) == (sent.prompt_k, sent.after)
                     and got.step.plain_greedy == sent.step.plain_greedy
                     and [r is None for r in got.step.vocab_rows] == [r is None for r in sent.step.vocab_rows])
-    control = channel.receive()
-    Path(out).write_text(json.dumps({"same": same, "reset": control == multihost.RESET_KV}))
+    controls = [channel.receive(), channel.receive()]
+    Path(out).write_text(json.dumps({"same": same, "controls": controls == [multihost.KEEPALIVE, multihost.RESET_KV]}))
     # Rank 0 is gone: this receive fails at once (gloo's connection is closed), unless jax's coordination service,
     # which lived in rank 0, ends this process first.
     try:
@@ -174,7 +177,7 @@ if __name__ != "__main__":
                 if proc.poll() is None:
                     proc.kill()
         result = json.loads(out.read_text())
-        assert result == {"same": [True, True], "reset": True}, stderr[-4000:]
+        assert result == {"same": [True, True], "controls": True}, stderr[-4000:]
         # The follower fails, with the reason, within the heartbeat timeout: at once, or jax's coordination service
         # (which lived in rank 0) ends it.
         assert procs[1].returncode != 0 and follower_s < TIMEOUT_S * 2

@@ -7,7 +7,8 @@ every process runs the same calls over its shards (``ModelRunner.execute``). The
 a step, run it, until rank 0 says stop. The tokens every process computes are replicated, so rank 0 reads its own.
 
 A message is two broadcasts (``multihost_utils.broadcast_one_to_all``, one all-reduce each over jax's CPU
-collectives (gloo) or the accelerator's): a fixed header (kind, shape, flags), then the arrays it announces.
+collectives (gloo) or the accelerator's): a fixed header (kind, shape, flags), then the arrays it announces. While
+rank 0 is idle it sends a keepalive a minute: the others wait inside a broadcast meanwhile.
 A lost peer fails the next collective ("connection closed by peer") and, within ``dist_timeout``, jax's
 coordination service sees its heartbeats stop and terminates every remaining process with that reason.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,7 +33,10 @@ log = logging.getLogger("jsgl.engine.multihost")
 # Header fields: message kind, the step's layout (T, B, S, L), prompt top-k, and flags.
 HEADER = ("kind", "num_t", "num_b", "max_q", "max_l", "prompt_k", "plain_greedy", "after", "bitmask", "logit_bias",
           "repetition_scale")
-STEP, STOP, RESET_KV = 1, 2, 3
+STEP, STOP, RESET_KV, KEEPALIVE = 1, 2, 3, 4
+# While rank 0 is idle, the others wait inside a broadcast: a message this often keeps that wait short of any
+# collective timeout (gloo's waited 330 s in a check; its limit is not documented), and finds a dead peer sooner.
+KEEPALIVE_S = 60.0
 VOCAB_ROWS = ("bitmask", "logit_bias", "repetition_scale")
 
 
@@ -72,6 +77,17 @@ class StepChannel:
         self.source = jax.process_index() == 0
         self.vocab_widths = {"bitmask": -(-vocab_size // 32), "logit_bias": vocab_size,
                              "repetition_scale": vocab_size}
+        self.last_sent = time.monotonic()
+
+    def keepalive(self) -> None:
+        """Rank 0 while idle: a message if none went out for ``KEEPALIVE_S``. A lost peer is logged here (the step
+        that meets it fails its requests; jax's coordination service ends the process)."""
+        if time.monotonic() - self.last_sent < KEEPALIVE_S:
+            return
+        try:
+            self.send_control(KEEPALIVE)
+        except PeerLostError:
+            log.exception("rank 0's keepalive to the other processes failed")
 
     def send(self, message: StepMessage) -> None:
         step = message.step
@@ -105,6 +121,7 @@ class StepChannel:
     def _broadcast(self, tree: Any) -> Any:
         from jax.experimental import multihost_utils
 
+        self.last_sent = time.monotonic()
         try:
             return multihost_utils.broadcast_one_to_all(tree, is_source=self.source)
         except Exception as exc:  # a peer gone: say so (jax's coordination service ends this process soon after)
@@ -135,8 +152,8 @@ def follow(runner: ModelRunner, channel: StepChannel) -> None:
             return
         if message == RESET_KV:
             runner.reset_kv()
+        if not isinstance(message, StepMessage):  # (KEEPALIVE: nothing to do)
             continue
-        assert isinstance(message, StepMessage)
         try:
             runner.execute(message)
             steps += 1
