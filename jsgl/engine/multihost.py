@@ -65,10 +65,6 @@ def initialize(dist_init_addr: str, nnodes: int, node_rank: int, timeout_s: int)
              jax.device_count(), jax.local_device_count())
 
 
-def is_multiprocess() -> bool:
-    return jax.process_count() > 1
-
-
 class StepChannel:
     """Rank 0 sends steps, every other rank receives them (the same two broadcasts on every process)."""
 
@@ -102,7 +98,7 @@ class StepChannel:
         self._broadcast(np.array([kind] + [0] * (len(HEADER) - 1), np.int32))
 
     def receive(self) -> StepMessage | int:
-        """The next step, or a control kind (``STOP``, ``RESET_KV``)."""
+        """The next step, or a control kind (``STOP``, ``RESET_KV``, ``KEEPALIVE``)."""
         header = dict(zip(HEADER, (int(x) for x in self._broadcast(np.zeros(len(HEADER), np.int32)))))
         if header["kind"] != STEP:
             return header["kind"]
