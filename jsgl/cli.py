@@ -57,7 +57,15 @@ ENGINE_HELP = {
     "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
                         "(on CPU only for small decode batches)",
     "seed": "seed of the sampling seeds drawn for requests that bring none",
-    "tp": "tensor-parallel degree, in local devices",
+    "tp": "tensor-parallel degree, in local devices; with --nnodes > 1 in all processes' devices (devices per node "
+          "x nnodes)",
+    "dist_init_addr": "multi-host: HOST:PORT of node rank 0 and a free port there, where the processes meet "
+                      "(jax.distributed; default: none, one process)",
+    "nnodes": "multi-host: the number of processes (nodes) one engine spans; rank 0 serves, the others follow "
+              "its steps",
+    "node_rank": "multi-host: this process's rank, 0 to nnodes - 1",
+    "dist_timeout": "multi-host: seconds to wait for the other processes to join, and after which a silent one "
+                      "counts as dead (every process then exits with that reason)",
     "weights_cache": "save the weights as placed (dtype, tp shards) as an orbax checkpoint and restore them on the "
                      "next start: auto (GGUF models only), orbax (also HF folders), off",
     "max_top_logprobs": "most top logprobs per token a request may ask for (top_logprobs_num)",
@@ -127,9 +135,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop string; repeat the flag for several (default: none)")
 
 
+def _follow(cfg: EngineConfig) -> None:
+    """A multi-host process of node rank > 0: its shards of the engine, running rank 0's steps until it stops."""
+    from jsgl.engine.engine import Engine
+
+    Engine(config=cfg).follow()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jsgl.engine.engine import Engine
 
+    if args.node_rank > 0:
+        _follow(engine_config(args))
+        return 0
     engine = Engine(config=engine_config(args))
     try:
         handle = engine.submit(args.prompt, _sampling(args))
@@ -203,6 +221,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
               f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}")
         print(plan.render())
+        return 0
+    if args.node_rank > 0:  # rank 0 serves; this process only computes its shards
+        _follow(engine_config(args))
         return 0
     from jsgl.server.app import serve
 

@@ -171,6 +171,24 @@ def test_every_engine_field_has_its_help():
     assert set(cli.ENGINE_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_multihost_flags_as_sglang_names_them(command, monkeypatch):
+    """--nnodes/--node-rank/--dist-init-addr/--dist-timeout reach the engine's config; a rank > 0 follows rank 0
+    (tests/test_multihost.py runs two such processes) instead of serving or generating."""
+    extra = ["a prompt"] if command == "generate" else []
+    argv = [command, *extra, "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+            "--dist-timeout", "30"]
+    args = cli.build_parser().parse_args(argv)
+    cfg = cli.engine_config(args)
+    assert (cfg.nnodes, cfg.node_rank, cfg.dist_init_addr, cfg.dist_timeout, cfg.tp) == (2, 1, "10.0.0.1:5000", 30, 2)
+    followed = []
+    monkeypatch.setattr(cli, "_follow", followed.append)
+    assert getattr(cli, f"cmd_{command}")(args) == 0
+    assert followed == [cfg]
+    with pytest.raises(ValueError, match="dist_init_addr"):  # more than one node needs rank 0's address
+        cli.engine_config(cli.build_parser().parse_args([command, *extra, "--nnodes", "2"]))
+
+
 def test_jsgl_help_lists_each_command_on_a_line(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")  # argparse wraps at the terminal's width
     parser = cli.build_parser()

@@ -63,7 +63,17 @@ class EngineConfig:
     # where the step runs on the host's cores, only decode batches of up to 8 overlap (overlap.CPU_OVERLAP_MAX_BATCH).
     overlap_schedule: bool = True
     seed: int = 0  # seeds requests that do not bring their own
-    tp: int = 1  # tensor-parallel degree (jax.sharding over local devices)
+    # Tensor-parallel degree: jax.sharding over local devices, or with nnodes > 1 over every process's devices
+    # (tp = devices per node x nnodes; docs/serving.md, multi-host).
+    tp: int = 1
+    # One engine over several processes (SGLang's names): rank 0's address and a free port, where the processes
+    # meet (jax.distributed); the number of processes; this one's rank (0 serves, the others follow its steps).
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    # Seconds to wait for the other processes to join, and after which a silent one counts as dead (jax's
+    # coordination service then ends every process with that reason).
+    dist_timeout: int = 60
     # The params as placed (dtype, tp padding and shards), saved as an orbax checkpoint and restored onto the
     # devices on the next start: auto (GGUF models: their converted weights) | orbax (also HF folders) | off.
     weights_cache: str = "auto"
@@ -93,6 +103,11 @@ class EngineConfig:
             raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")
         if self.device not in ("auto", "cpu", "gpu", "tpu"):
             raise ValueError(f"device must be auto, cpu, gpu or tpu, not {self.device!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes or self.dist_timeout < 1:
+            raise ValueError(f"nnodes >= 1, 0 <= node_rank < nnodes and dist_timeout >= 1, not nnodes "
+                             f"{self.nnodes}, node_rank {self.node_rank}, dist_timeout {self.dist_timeout}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT (rank 0's address and a free port)")
         if min(self.max_top_logprobs, self.max_stop_sequences, self.max_stop_chars) < 0 \
                 or self.constraint_timeout_s <= 0:
             raise ValueError("request limits must be >= 0 and constraint_timeout_s > 0")

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import SingleDeviceSharding
 
+from jsgl.engine import multihost
 from jsgl.engine.admission import Admission, check_text
 from jsgl.engine.backends import resolve_backends
 from jsgl.engine.config import EngineConfig
@@ -57,6 +58,14 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **options: Any):
         cfg = config or EngineConfig(model=model, **options)
         started = time.perf_counter()
+        if cfg.nnodes > 1:  # before anything touches a jax backend
+            multihost.initialize(cfg.dist_init_addr, cfg.nnodes, cfg.node_rank, cfg.dist_timeout)
+            # Every process must run the same programs: nothing runs a step but rank 0's broadcasts (no padding runs
+            # of a precompile), and each process places its own shards from the model (no orbax checkpoint of them).
+            cfg = dataclasses.replace(cfg, precompile="off", weights_cache="off")
+            if cfg.tp != jax.device_count():  # each process must hold shards, and the mesh is every device
+                raise ValueError(f"tp={cfg.tp}: an engine over {cfg.nnodes} processes spans all their devices, "
+                                 f"{jax.device_count()} (tp = devices per node x nnodes)")
         # The platform's defaults fill what was left unset, so `config` reads as what runs (page size, pool).
         self.platform = current_platform(cfg.device)
         defaults = resolve_defaults(self.platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
@@ -128,7 +137,19 @@ class Engine:
                                self.outputs, overlap)
         self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
         self._metrics_lock = threading.Lock()
+        # Multi-process: rank 0 sends each step to the others, which run them in ``follow`` instead of a loop.
+        self._channel = multihost.StepChannel(cfg.page_size, self.model_config.vocab_size) if cfg.nnodes > 1 else None
+        self.is_follower = cfg.node_rank > 0
+        if self.is_follower:
+            return
+        self.runner.channel = self._channel
         self.loop.start()
+
+    def follow(self) -> None:
+        """A non-zero rank's whole life: run rank 0's steps on this process's shards until rank 0 shuts down."""
+        if not self.is_follower:
+            raise RuntimeError("only a process of node rank > 0 follows; rank 0 serves")
+        multihost.follow(self.runner, self._channel)
 
     def _precompile(self) -> float:
         """Compile the planned step shapes (``EngineConfig.precompile``): before the first request, or start doing
@@ -226,6 +247,8 @@ class Engine:
         return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> list[RequestHandle]:
+        if self.is_follower:
+            raise RuntimeError(f"node rank {self.config.node_rank} takes no requests: rank 0 serves them")
         try:
             self.mailbox.post(seqs)
         except BaseException:
@@ -324,8 +347,13 @@ class Engine:
 
     def shutdown(self) -> None:
         self.runner.compiler.stop()
+        if self.is_follower:
+            return
         self.mailbox.stop()
         self.loop.join(timeout=30)
+        if self._channel is not None and not self.loop.is_alive():  # the loop's last step is done: release the others
+            self._channel.send_control(multihost.STOP)
+            self._channel = None
 
     def __enter__(self) -> Engine:
         return self

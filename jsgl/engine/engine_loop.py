@@ -101,6 +101,8 @@ class EngineLoop:
                 compiler.engine_busy(False)
                 if not self.pending and compiler.warm_next():  # one padding run, then look again
                     continue
+                if self.runner.channel is not None:  # multi-process: the other ranks wait for rank 0's next message
+                    self.runner.channel.keepalive()
                 self.mailbox.wait(timeout=0.5)  # also the granularity of constraint timeouts
                 continue
             compiler.engine_busy(True)

@@ -23,6 +23,7 @@ import numpy as np
 
 from jsgl.engine.backends import Backends, resolve_backends
 from jsgl.engine.kv_pool import allocate_pool
+from jsgl.engine.multihost import RESET_KV, VOCAB_ROWS, StepChannel, StepMessage
 from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.sampler import argmax, sample, stage_flags
 from jsgl.engine.step_inputs import ForwardItem, StepLayout, new_packed, pack_step, unpack_forward, unpack_sampling
@@ -117,22 +118,26 @@ def _step(params, kv, ints, previous_tokens, *, layout: StepLayout, config: Mode
         kv = tp.constrain_kv(kv)
     logits = lm_logits(params, hidden[inputs.sample_index])
     tokens = jax.lax.cond(inputs.argmax, argmax, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
-    out = {"logits": logits, "tokens": tokens}
+    out = {"tokens": tokens}
     if prompt_top_k >= 0:
         all_logprobs = jax.nn.log_softmax(lm_logits(params, hidden), axis=-1)
         out["prompt_logprobs"] = jnp.take_along_axis(all_logprobs, inputs.target_ids[:, None], axis=-1)[:, 0]
         if prompt_top_k > 0:
             out["prompt_top_vals"], out["prompt_top_ids"] = jax.lax.top_k(all_logprobs, prompt_top_k)
-    return kv, out
+    if tp is not None:  # what the host reads, whole on every device: each process reads its own copy
+        out = tp.replicate(out)
+    return kv, {"logits": logits, **out}
 
 
-@functools.partial(jax.jit, static_argnames=("top_logprobs",))
-def _sample_step(logits, sampling, bitmask, logit_bias, repetition_scale, *, top_logprobs: int):
-    """The sampler over a forward's logits: one compile per (batch bucket, vocabulary, top-logprobs width),
-    shared by every step shape and, within a process, every runner."""
+def _sample_fn(logits, sampling, bitmask, logit_bias, repetition_scale, *, top_logprobs: int):
     inputs = unpack_sampling(sampling, bitmask, logit_bias, repetition_scale, top_logprobs)
     tokens, logprobs, top_vals, top_ids = sample(logits, inputs)
     return {"tokens": tokens, "logprobs": logprobs, "top_vals": top_vals, "top_ids": top_ids}
+
+
+# The sampler over a forward's logits: one compile per (batch bucket, vocabulary, top-logprobs width), shared by
+# every step shape and, within a process, every runner without tensor parallelism.
+_sample_step = jax.jit(_sample_fn, static_argnames=("top_logprobs",))
 
 
 class ModelRunner:
@@ -179,6 +184,11 @@ class ModelRunner:
         self._kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
         self.compiler = StepCompiler(self)
         self._defaults: dict[tuple[str, int], jax.Array] = {}  # neutral mask/bias/scale per batch bucket
+        self._last_tokens: jax.Array | None = None  # the last step's tokens: an overlapped step's inputs
+        self.channel: StepChannel | None = None  # rank 0 of a multi-process engine: where each step is sent
+        # Under tp, the sampler's outputs whole on every device (each process reads its own copy).
+        self._sample = _sample_step if self.tp is None else \
+            jax.jit(_sample_fn, static_argnames=("top_logprobs",), out_shardings=self.tp.replicated)
         self._step = jax.jit(
             functools.partial(_step, config=self.forward_config, attention_backend=self.attention_backend,
                               tp=self.tp),
@@ -199,6 +209,8 @@ class ModelRunner:
         return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.kv))
 
     def reset_kv(self) -> None:
+        if self.channel is not None:  # the other processes' pools were donated to the same failed call
+            self.channel.send_control(RESET_KV)
         sharding = self.tp.kv_sharding if self.tp else None
         self.kv = allocate_pool(self.forward_config, self.num_slots, sharding, self.kv_dtype, self.backends.scanned)
 
@@ -257,20 +269,34 @@ class ModelRunner:
             raise ValueError("a step dispatched after another must be a decode step of the same layout")
         step = pack_step(items, layout, self.config.vocab_size, self._neutral, logprobs=logprobs,
                          top_logprobs=top_logprobs, after_previous=after is not None)
-        previous = after.tokens if after is not None else self._neutral("previous_tokens", layout.num_b)
         # Prompt logprobs: one variant, the widest top-k (sliced per request on the way out).
-        prompt_k = -1 if prompt_top_k < 0 else self.max_top_logprobs
-        signature = (*layout[:4], prompt_k)
+        message = StepMessage(step, -1 if prompt_top_k < 0 else self.max_top_logprobs, after is not None)
+        if self.channel is not None:  # multi-process: every other process runs the same step (engine/multihost.py)
+            if after is not None and after.tokens is not self._last_tokens:
+                raise ValueError("across processes, a step can follow only the step dispatched just before it")
+            self.channel.send(message)
+        out = self.execute(message)
+        return PendingStep(out, layout, step.q_lens, logprobs, top_logprobs, prompt_top_k)
+
+    def execute(self, message: StepMessage) -> dict[str, jax.Array]:
+        """Run a packed step on this process's devices (rank 0 once it has sent it, the other ranks as they receive
+        it): the forward, then the sampler unless the forward's argmax is the step's tokens."""
+        step, layout = message.step, message.step.layout
+        previous = self._last_tokens if message.after else self._neutral("previous_tokens", layout.num_b)
+        signature = (*layout[:4], message.prompt_k)
         compiled = self.compiler.executable(signature)
         if compiled is None:
             self.compiler.count_jit(signature)
         args = (self.params, self.kv, step.packed.ints, previous)
         self.kv, out = compiled(*args) if compiled is not None else \
-            self._step(*args, layout=layout, prompt_top_k=prompt_k)
+            self._step(*args, layout=layout, prompt_top_k=message.prompt_k)
         if not step.plain_greedy:  # queued behind the forward on the device; its tokens replace the forward's zeros
-            out = {**out, **_sample_step(out["logits"], step.packed.sampling, *step.vocab_rows,
+            rows = [self._neutral(kind, layout.num_b) if row is None else row
+                    for kind, row in zip(VOCAB_ROWS, step.vocab_rows)]  # None: a received neutral row
+            out = {**out, **self._sample(out["logits"], step.packed.sampling, *rows,
                                          top_logprobs=self.max_top_logprobs)}
-        return PendingStep(out, layout, step.q_lens, logprobs, top_logprobs, prompt_top_k)
+        self._last_tokens = out["tokens"]
+        return out
 
     def planned_signatures(self, mode: str, max_running: int, chunk_size: int,
                            mixed_prefill_tokens: int = 0) -> list[tuple]:
@@ -332,7 +358,7 @@ class ModelRunner:
                                         apply_repetition=False, want_top=False)
         arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
         logits = jax.device_put(np.zeros((num_b, like.shape[1]), like.dtype), like.sharding)
-        jax.block_until_ready(_sample_step(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
+        jax.block_until_ready(self._sample(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
 
     def _neutral(self, kind: str, num_b: int) -> jax.Array:
         """A device array that leaves the logits unchanged (kept, so a step without masks, biases or

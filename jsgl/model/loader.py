@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
@@ -97,7 +98,8 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
         hf_config, params = checkpoint.restore(converted, skip=skip)
     else:
         hf_config, params = _load_gguf(path)
-        checkpoint.save(converted, params, hf_config)
+        if jax.process_count() == 1:  # across processes orbax saves as one program, not into a folder of each own
+            checkpoint.save(converted, params, hf_config)
     config = ModelConfig.from_hf(hf_config)
     flat = {name: x for name, x in _flatten(params).items() if name not in skip}
     del params

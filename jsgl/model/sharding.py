@@ -58,7 +58,8 @@ _BIAS = ("bq", "bk", "bv")  # [out]: shard out, like their matrices
 
 
 def make_mesh(tp: int, devices: list[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh named ``tp`` over the first ``tp`` local devices.
+    """A 1-D mesh named ``tp`` over the first ``tp`` local devices, or in a multi-process engine over every
+    process's devices (``jax.devices()``: it must use them all, each process holding its shards).
 
     Axis type Auto, on purpose: jax 0.10.2's ``jax.make_mesh`` defaults to Explicit axes, under which
     shardings become part of array types and every op whose result sharding is ambiguous (the
@@ -66,9 +67,13 @@ def make_mesh(tp: int, devices: list[jax.Device] | None = None) -> Mesh:
     needs an ``out_sharding`` annotation, i.e. the model would have to become mesh-aware. With Auto,
     the unannotated single-device model is partitioned by XLA from the argument shardings alone.
     """
-    devices = list(devices if devices is not None else jax.local_devices())
+    multiprocess = jax.process_count() > 1
+    devices = list(devices if devices is not None else jax.devices() if multiprocess else jax.local_devices())
     if tp < 1:
         raise ValueError(f"tp must be >= 1, not {tp}")
+    if multiprocess and tp != len(devices):
+        raise ValueError(f"tp={tp}: an engine over {jax.process_count()} processes spans all their devices, "
+                         f"{len(devices)} (tp = devices per node x nnodes)")
     if tp > len(devices):
         raise ValueError(
             f"tp={tp} needs {tp} local devices but only {len(devices)} {devices[0].platform} device(s) exist; "
@@ -222,6 +227,14 @@ class TensorParallel:
     def kv_sharding(self) -> NamedSharding:
         """Per-layer pools [Hkv', N, hd] split over KV heads: each device stores its own heads' K/V."""
         return NamedSharding(self.mesh, P(AXIS, None, None))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def replicate(self, tree: Any) -> Any:
+        """Every leaf whole on every device (inside a jit): what the host reads of a step."""
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self.replicated), tree)
 
     def constrain_kv(self, kv: Any) -> Any:
         """Every pool leaf split over its heads (axis 0): the values [Hkv', N, hd] and, in the 8-bit format,
