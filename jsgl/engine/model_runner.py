@@ -275,14 +275,16 @@ class ModelRunner:
             if after is not None and after.tokens is not self._last_tokens:
                 raise ValueError("across processes, a step can follow only the step dispatched just before it")
             self.channel.send(message)
-        out = self.execute(message)
+        out = self.execute(message, after.tokens if after is not None else None)
         return PendingStep(out, layout, step.q_lens, logprobs, top_logprobs, prompt_top_k)
 
-    def execute(self, message: StepMessage) -> dict[str, jax.Array]:
+    def execute(self, message: StepMessage, previous: jax.Array | None = None) -> dict[str, jax.Array]:
         """Run a packed step on this process's devices (rank 0 once it has sent it, the other ranks as they receive
-        it): the forward, then the sampler unless the forward's argmax is the step's tokens."""
+        it): the forward, then the sampler unless the forward's argmax is the step's tokens. ``previous``: the
+        tokens a step that follows another takes as inputs (a follower: the last step's, its own copy)."""
         step, layout = message.step, message.step.layout
-        previous = self._last_tokens if message.after else self._neutral("previous_tokens", layout.num_b)
+        if previous is None:
+            previous = self._last_tokens if message.after else self._neutral("previous_tokens", layout.num_b)
         signature = (*layout[:4], message.prompt_k)
         compiled = self.compiler.executable(signature)
         if compiled is None:
