@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -120,6 +121,14 @@ class Replicas:
         ray = self._ray
         if ray.is_initialized():
             return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
+        self._init_ray(address, dp)
+        if main:  # ray.init's own SIGTERM handler exits at once (sys.exit): the caller's decides, as before
+            signal.signal(signal.SIGTERM, previous)
+
+    def _init_ray(self, address: str | None, dp: int) -> None:
+        ray = self._ray
         if address:
             ray.init(address=address, logging_level=logging.WARNING, configure_logging=True)
         else:  # a local cluster that can place every replica (one CPU each) even on a smaller machine
