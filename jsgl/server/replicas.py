@@ -186,6 +186,7 @@ class Replicas:
                     log.exception("supervising replica %d", replica.index)
 
     def _check(self, replica: Replica) -> None:
+        asked = time.monotonic()  # a hang counts from the first unanswered probe's start, not its timeout
         state = self._probe(replica.url)
         if state == "ok":
             if replica.down:
@@ -204,7 +205,7 @@ class Replicas:
             replica.bad_since = None
             return
         now = time.monotonic()
-        replica.bad_since = replica.bad_since or now
+        replica.bad_since = replica.bad_since or asked
         if now - replica.bad_since >= self.hang_restart_s:  # hung: its process lives, so Ray would not act
             log.warning("replica %d hung for %.0f s: killing it for Ray to restart", replica.index,
                         now - replica.bad_since)
