@@ -178,21 +178,37 @@ def _until_back(replicas, index: int, restarts: int, timeout: float = 120.0) -> 
     return time.monotonic() - start
 
 
+def _prompt_tokens(replicas) -> list[int]:
+    return [httpx.get(f"{u}/get_server_info", timeout=30).json()["prompt_tokens"] for u in replicas.urls]
+
+
+def _marked_replica(replicas, marker: str) -> int:
+    """The replica that serves a request beginning with `marker` (a long text of its own): the one the test stops."""
+    before = _prompt_tokens(replicas)
+    _generate(replicas.url, text=f"{marker} Question: why?")
+    grew = [a > b for a, b in zip(_prompt_tokens(replicas), before)]
+    assert grew.count(True) == 1, grew
+    return grew.index(True)
+
+
 def _routed_to(replicas, index: int, tries: int = 12) -> bool:
-    """Whether the router sends distinct requests to replica `index` again (within `tries` of them)."""
-    url = replicas.replicas[index].url
-    before = httpx.get(f"{url}/get_server_info", timeout=30).json()["prompt_tokens"]
+    """Whether the router sends requests to replica `index` again (within `tries` distinct ones: cache_aware sends
+    a request that matches no replica's tree to the replica it has sent the least)."""
+    before = _prompt_tokens(replicas)[index]
     for i in range(tries):
         _generate(replicas.url, text=f"Request {i * 7919} about the number {i}: tell me something.")
-        if httpx.get(f"{url}/get_server_info", timeout=30).json()["prompt_tokens"] > before:
+        if _prompt_tokens(replicas)[index] > before:
             return True
+    print("the router's workers:", json.dumps(replicas.router.workers()))
     return False
 
 
 @needs_extra
 @pytest.mark.slow
 def test_a_killed_replica_loses_no_request_and_comes_back(replicas):
-    restarts = replicas.replicas[0].restarts
+    marker = "A note on killed replicas: " + " ".join(WORDS * 4)
+    victim = _marked_replica(replicas, marker)
+    restarts = replicas.replicas[victim].restarts
     prompts = shared_prefix_prompts(4, 4)
 
     def one(prompt: str) -> tuple[int, str]:
@@ -204,28 +220,30 @@ def test_a_killed_replica_loses_no_request_and_comes_back(replicas):
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(one, p) for p in prompts]
         time.sleep(1.0)  # mid-run
-        os.kill(_pid(replicas, 0), signal.SIGKILL)
+        os.kill(_pid(replicas, victim), signal.SIGKILL)
         results = [f.result() for f in futures]
     assert all(code == 200 or code >= 500 for code, _ in results), results
     assert all(json.loads(text)["text"] for code, text in results if code == 200)
     print("statuses:", sorted(code for code, _ in results))
-    back = _until_back(replicas, 0, restarts)
-    print(f"replica 0 back in the router's rotation {back:.1f} s after the kill")
+    back = _until_back(replicas, victim, restarts)
+    print(f"replica {victim} back in the router's rotation {back:.1f} s after the kill")
     assert _generate(replicas.url)["meta_info"]["completion_tokens"] == 12  # still serving
-    assert _routed_to(replicas, 0)
+    assert _routed_to(replicas, victim)
 
 
 @needs_extra
 @pytest.mark.slow
 def test_a_hung_replica_is_killed_and_restarted(replicas):
-    restarts = replicas.replicas[1].restarts
-    pid = _pid(replicas, 1)
+    marker = "A note on hung replicas: " + " ".join(reversed(WORDS * 4))
+    victim = _marked_replica(replicas, marker)
+    restarts = replicas.replicas[victim].restarts
+    pid = _pid(replicas, victim)
     os.kill(pid, signal.SIGSTOP)  # alive to Ray, silent to every health check
     try:
-        back = _until_back(replicas, 1, restarts)
+        back = _until_back(replicas, victim, restarts)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-    print(f"hung replica 1 back {back:.1f} s after it stopped answering (hang_restart_s=8)")
-    assert _pid(replicas, 1) != pid
-    assert _routed_to(replicas, 1)
+    print(f"hung replica {victim} back {back:.1f} s after it stopped answering (hang_restart_s=8)")
+    assert _pid(replicas, victim) != pid
+    assert _routed_to(replicas, victim)

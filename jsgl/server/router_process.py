@@ -5,9 +5,10 @@
     ...
     router.stop()
 
-`reregister(url)` takes a worker out of the router and puts it back: sglang-router 0.3.2's cache_aware policy
-never routes to a worker again once it went unhealthy, until it is registered anew (`replicas.py` calls it after
-a replica restarted).
+`reregister(url)` takes a worker out of the router and puts it back (`replicas.py` calls it after a replica
+restarted). Under cache_aware that is not enough: sglang-router 0.3.2 drops a dead worker from its tree when a
+request picks it, and a worker added again never re-enters the tree, so no request reaches it; `restart(url)`
+starts the router anew on its port instead.
 """
 
 from __future__ import annotations
@@ -47,13 +48,24 @@ class RouterProcess:
         self.url = f"http://{host}:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="sglang-router-", suffix=".log", delete=False)  # noqa: SIM115
         # Health checks every few seconds (its default is 60 s: a dead worker would get requests for a minute);
-        # a worker added later is polled each second, not every 30 s.
+        # a worker added later is polled each second, not every 30 s. No circuit breaker: its state is kept by URL
+        # across a worker's removal, so after 10 failed requests a restarted replica got none for 60 s (measured).
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
                "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(free_port()),
                "--log-level", "warn", "--health-check-interval-secs", str(health_interval_s),
                "--health-failure-threshold", "2", "--health-success-threshold", "1",
-               "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600"]
+               "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
+               "--disable-circuit-breaker"]
+        self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self, url: str, timeout: float = 120.0) -> None:
+        """Stop the router and start it again on its port, until `url` is among its healthy workers: its
+        cache_aware policy builds its tree's tenants from the workers it starts with (requests in flight through
+        it meanwhile get a connection error)."""
+        self.stop(timeout=2.0)  # not its 180 s grace for requests in flight: the router is down meanwhile
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"restart with {url}")
 
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
@@ -70,11 +82,14 @@ class RouterProcess:
     def reregister(self, url: str, timeout: float = 60.0) -> None:
         """Remove `url` from the router and add it again (0.3.2: DELETE /workers/{id}, POST /workers; both are
         queued in the router, so each is waited for)."""
+        spec = {"url": url}
         for worker in self.workers():
             if worker["url"] == url:
+                if worker.get("model_id"):  # the same model key as before: the policy's tree is per model
+                    spec["model_id"] = worker["model_id"]
                 httpx.delete(f"{self.url}/workers/{worker['id']}", timeout=10).raise_for_status()
         self._wait(lambda ws: all(w["url"] != url for w in ws), timeout, f"remove {url}")
-        httpx.post(f"{self.url}/workers", json={"url": url}, timeout=10).raise_for_status()
+        httpx.post(f"{self.url}/workers", json=spec, timeout=10).raise_for_status()
         self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"add {url}")
 
     def _wait(self, done: Callable[[list[dict]], bool], timeout: float, what: str) -> None:
