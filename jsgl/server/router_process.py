@@ -6,9 +6,9 @@
     router.stop()
 
 `reregister(url)` takes a worker out of the router and puts it back (`replicas.py` calls it after a replica
-restarted). Under cache_aware that is not enough: sglang-router 0.3.2 drops a dead worker from its tree when a
-request picks it, and a worker added again never re-enters the tree, so no request reaches it; `restart(url)`
-starts the router anew on its port instead.
+restarted). Under cache_aware that was not enough after a kill under load (no request reached the replica:
+0.3.2 drops a worker from its tree when a request picks it while it is gone, and re-adding it seems not to put it
+back); `restart(url)` starts the router anew on its port, its tree holding every worker.
 """
 
 from __future__ import annotations
