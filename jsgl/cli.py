@@ -222,15 +222,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}")
         print(plan.render())
         return 0
+    if (args.dp > 1 or args.ray_address) and args.nnodes > 1:
+        print("jsgl serve: --dp and --nnodes together are not supported yet (replicas of a multi-host engine)",
+              file=sys.stderr)
+        return 2
     if args.node_rank > 0:  # rank 0 serves; this process only computes its shards
         _follow(engine_config(args))
         return 0
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    if args.dp > 1 or args.ray_address:
+        return serve_replicas(args, limits)
     from jsgl.server.app import serve
 
-    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, limits=limits,
           timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
           metrics=not args.disable_metrics)
+    return 0
+
+
+def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
+    """`jsgl serve --dp N`: N replicas as Ray actors behind sglang-router, until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    from jsgl.server.router_process import check_installed
+
+    if args.api_key:  # sglang-router does not pass a client's key on to the workers in this wiring
+        print("jsgl serve: --api-key cannot be combined with --dp (the router does not forward the key to the "
+              "replicas); serve on a private address or put a proxy that checks keys in front", file=sys.stderr)
+        return 2
+    try:
+        check_installed()
+    except ImportError as exc:
+        print(f"jsgl serve: {exc}", file=sys.stderr)
+        return 2
+    from jsgl.server.replicas import Replicas
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not stop.is_set():  # the first signal interrupts a start-up under way; stop() is not interrupted
+            stop.set()
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    replicas = None
+    try:
+        replicas = Replicas(engine_config(args), dp=args.dp, policy=args.router_policy, ray_address=args.ray_address,
+                            host=args.host, port=args.port, limits=limits)
+        print(f"jsgl: {args.dp} replicas of {args.model} behind sglang-router ({args.router_policy}) at "
+              f"{replicas.url}", file=sys.stderr, flush=True)
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if replicas is not None:
+            replicas.stop()
+            print("jsgl: replicas and router stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -312,6 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no Prometheus metrics at /metrics (default: off, i.e. metrics on)")
     serve.add_argument("--enable-metrics", action="store_true",
                        help="SGLang's flag, accepted: metrics are on unless --disable-metrics (default: on)")
+    serve.add_argument("--dp", type=int, default=1,
+                       help="data parallelism: this many engine replicas as Ray actors behind sglang-router, which "
+                            "listens on --host/--port (needs jsgl[distributed]) (default: %(default)s)")
+    serve.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin",
+                                                                          "power_of_two"],
+                       help="with --dp: how sglang-router picks a replica (default: %(default)s)")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --dp: join this Ray cluster (ray.init(address=...)) (default: none, a local "
+                            "cluster started and stopped with the server)")
     add_engine_args(serve)
     serve.add_argument("--dry-run", action="store_true",
                        help="print the memory plan (weights, activations, KV slots per device) and exit "

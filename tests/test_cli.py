@@ -61,6 +61,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench metrics": (["bench", "metrics", "--quick"], None),
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
+    "bench replicas": (["bench", "replicas", "--quick", "--precompile", "off"], None),  # Ray + sglang-router
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA from shapes: ~10 s
     "bench loading": (["bench", "loading", "--layers", "1", "--vocab", "4096", "--rounds", "1"], None),
@@ -339,6 +340,15 @@ def test_bench_serve(results):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
     assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
     assert all(r[-1] == "0" for r in rows.values()), out
+
+
+def test_bench_replicas(results):
+    out, _ = finished(results, "bench replicas")
+    rows = {line[:18].strip(): line[18:].split() for line in out.splitlines()
+            if line.startswith(("dp1 ", "dp2 cache_aware", "dp2 round_robin"))}
+    assert set(rows) == {"dp1", "dp2 cache_aware", "dp2 round_robin"}, out
+    assert all(0 < float(r[0]) < 1 and float(r[1]) > 0 for r in rows.values()), out  # hit rate, req/s
+    assert re.search(r"router's added latency per request .*: -?[\d.]+ ms", out), out
 
 
 def test_bench_workloads(results):

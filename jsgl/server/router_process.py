@@ -1,0 +1,115 @@
+"""SGLang's own router (`sglang-router`, Rust; the `distributed` extra) in a subprocess, in front of jsgl workers.
+
+    router = RouterProcess(["http://127.0.0.1:30001", "http://127.0.0.1:30002"], policy="cache_aware")
+    router.wait_for_workers(2)
+    ...
+    router.stop()
+
+`reregister(url)` takes a worker out of the router and puts it back (`replicas.py` calls it after a replica
+restarted). Under cache_aware that was not enough after a kill under load (no request reached the replica:
+0.3.2 drops a worker from its tree when a request picks it while it is gone, and re-adding it seems not to put it
+back); `restart(url)` starts the router anew on its port, its tree holding every worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import httpx
+
+from jsgl.server.launch import free_port
+
+POLICIES = ("cache_aware", "round_robin", "power_of_two")
+MISSING_EXTRA = 'jsgl --dp needs Ray and sglang-router: pip install "jsgl[distributed]"'
+
+
+def check_installed() -> None:
+    """Raise ImportError naming the extra when Ray or sglang-router is missing."""
+    import importlib.util
+
+    missing = [name for name in ("ray", "sglang_router") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"{MISSING_EXTRA} ({' and '.join(missing)} not installed)")
+
+
+class RouterProcess:
+    """`python -m sglang_router.launch_router` over `worker_urls`, logging to a temporary file."""
+
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
+                 port: int | None = None, health_interval_s: int = 2) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r}: one of {', '.join(POLICIES)}")
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="sglang-router-", suffix=".log", delete=False)  # noqa: SIM115
+        # Health checks every few seconds (its default is 60 s: a dead worker would get requests for a minute);
+        # a worker added later is polled each second, not every 30 s. No circuit breaker: its state is kept by URL
+        # across a worker's removal, so after 10 failed requests a restarted replica got none for 60 s (measured).
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(self.port),
+               "--worker-urls", *worker_urls, "--policy", policy, "--prometheus-port", str(free_port()),
+               "--log-level", "warn", "--health-check-interval-secs", str(health_interval_s),
+               "--health-failure-threshold", "2", "--health-success-threshold", "1",
+               "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
+               "--disable-circuit-breaker"]
+        self.cmd = cmd
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def restart(self, url: str, timeout: float = 120.0) -> None:
+        """Stop the router and start it again on its port, until `url` is among its healthy workers: its
+        cache_aware policy builds its tree's tenants from the workers it starts with (requests in flight through
+        it meanwhile get a connection error)."""
+        self.stop(timeout=2.0)  # not its 180 s grace for requests in flight: the router is down meanwhile
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"restart with {url}")
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
+
+    def wait_for_workers(self, n: int, timeout: float = 120.0) -> None:
+        """Until the router has registered `n` healthy workers (it registers them in the background)."""
+        def healthy(workers: list[dict]) -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited ({self.proc.returncode}); log:\n{self.log_tail()}")
+            return sum(w["is_healthy"] for w in workers) == n
+
+        self._wait(healthy, timeout, f"register {n} healthy workers")
+
+    def reregister(self, url: str, timeout: float = 60.0) -> None:
+        """Remove `url` from the router and add it again (0.3.2: DELETE /workers/{id}, POST /workers; both are
+        queued in the router, so each is waited for)."""
+        spec = {"url": url}
+        for worker in self.workers():
+            if worker["url"] == url:
+                if worker.get("model_id"):  # the same model key as before: the policy's tree is per model
+                    spec["model_id"] = worker["model_id"]
+                httpx.delete(f"{self.url}/workers/{worker['id']}", timeout=10).raise_for_status()
+        self._wait(lambda ws: all(w["url"] != url for w in ws), timeout, f"remove {url}")
+        httpx.post(f"{self.url}/workers", json=spec, timeout=10).raise_for_status()
+        self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"add {url}")
+
+    def _wait(self, done: Callable[[list[dict]], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                if done(self.workers()):
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"the router did not {what} within {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
