@@ -1,0 +1,245 @@
+"""Ragged paged attention for TPU: a Pallas (Mosaic) kernel serving decode, extend and mixed batches in one call.
+
+Contract (the kernel, :func:`ragged_paged_attention`): the flat new tokens ``q [T, Hq, D]`` of ``num_seqs``
+sequences laid end to end, sequence ``s`` owning tokens ``[cu_q_lens[s], cu_q_lens[s + 1])`` and attending over
+its ``kv_lens[s]`` cached positions (its new tokens' K/V already written, the new tokens being its last
+``q_len`` positions). Query ``i`` of sequence ``s`` sits at position ``kv_lens[s] - q_len + i`` and sees keys
+``j <= position`` (and ``j > position - W`` under a sliding window ``W``): causal over the new tokens and full
+over the cached prefix at once, so decode (``q_len == 1``), prefill, extend over a prefix and jump-forward's short
+extends are one kernel. Tokens no sequence covers come back as zeros.
+
+**Pages.** K and V are ``[Hkv, num_pages, page_size, D]`` in HBM (``memory_space=ANY``): jsgl's per-layer pool
+``[Hkv, N, D]`` reshaped, no copy (page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``). Which pages a
+sequence reads is a *flat* page list in SMEM: sequence ``s``'s pages are
+``page_indices[cu_pages[s]:cu_pages[s + 1]]`` (``cdiv(kv_len, page_size)`` entries), so a 128k-context request
+costs its own pages in SMEM, not a padded ``[B, max_pages]`` row. ``cu_q_lens``, ``kv_lens``, ``num_seqs`` and
+``first_seq`` (per query block, the first sequence it overlaps) are scalar-prefetched beside it.
+
+**Blocks.** Grid ``(Hkv, cdiv(T, block_q))``. A program owns ``block_q`` flat tokens × the ``G = Hq / Hkv`` query
+heads of one KV head (``R = block_q * G`` rows of ``q``, laid out ``[Hkv, T * G, D]`` by the wrapper so the tile
+is contiguous). It walks the sequences its tokens belong to (several in a decode block, part of one in a long
+prefill), and for each streams KV blocks of ``pages_per_block`` pages through an online softmax in float32:
+each page is one async copy HBM→VMEM, and the next block's pages are copied while the current block is computed
+(two VMEM buffers, one DMA semaphore each). A block is loaded only up to the last key the program's queries can
+see (and from the first one inside a sliding window). Rows of other sequences are masked out and left
+untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
+buffers never hold uninitialised values; the mask removes them.
+
+Not yet here (issue #36): the 8-bit KV format, a head_dim padded to 128, prefetching across sequences (each
+sequence's first block is a pipeline bubble), writing the new K/V inside the kernel, and the TPU pool layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jsgl.kernels.attention import AttentionMetadata
+
+# A masked score: finite, so a fully masked row gives exp(0) garbage that the final select drops, never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# (block_q tokens, keys per KV block) by TPU generation: KV blocks fill the MXU (128 wide on v5e, 256 on v6e).
+BLOCK_SIZES = {"TPU v5 lite": (32, 128), "TPU v6 lite": (32, 256)}
+DEFAULT_BLOCK_SIZES = (32, 128)
+
+
+def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, int]:
+    """``(block_q, pages_per_block)`` for a TPU generation (its ``device_kind``), chosen without a device."""
+    block_q, block_keys = BLOCK_SIZES.get(device_kind or "", DEFAULT_BLOCK_SIZES)
+    return block_q, max(1, block_keys // page_size)
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref,
+    # Inputs: this program's queries (VMEM block) and the whole pools (HBM).
+    q_ref, k_hbm_ref, v_hbm_ref,
+    # Output block, then scratch.
+    o_ref, k_buf, v_buf, sems,
+    *, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
+):
+    head, q_blk = pl.program_id(0), pl.program_id(1)
+    rows = q_ref.shape[0]
+    block_q = rows // group
+    block_keys = pages_per_block * page_size
+    block_start = q_blk * block_q
+    block_end = block_start + block_q
+    # The flat token of each row; rows are token-major (G heads of one token consecutive).
+    row_token = block_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+    q = q_ref[...]
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def copies(seq, kv_blk, slot):
+        # One DMA per page; pages past the sequence's end read page 0 so the buffer stays finite.
+        first, end = cu_pages_ref[seq], cu_pages_ref[seq + 1]
+        out = []
+        for p in range(pages_per_block):
+            idx = first + kv_blk * pages_per_block + p
+            page = jnp.where(idx < end, page_indices_ref[jnp.minimum(idx, end - 1)], 0)
+            for hbm, buf, which in ((k_hbm_ref, k_buf, 0), (v_hbm_ref, v_buf, 1)):
+                out.append(pltpu.make_async_copy(hbm.at[head, page], buf.at[slot, p], sems.at[which, slot]))
+        return out
+
+    def attend_seq(seq):
+        q_lo, q_hi = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+        kv_len = kv_lens_ref[seq]
+        first_pos = kv_len - (q_hi - q_lo)  # position of the sequence's first new token
+        lo, hi = jnp.maximum(q_lo, block_start), jnp.minimum(q_hi, block_end)
+        kv_end = first_pos + (hi - q_lo)  # keys past the block's last query are never visible
+        kv_stop = (kv_end + block_keys - 1) // block_keys
+        kv_first = jnp.int32(0)
+        if sliding_window is not None:  # keys before the block's first query's window are never visible
+            kv_first = jnp.maximum(first_pos + (lo - q_lo) - sliding_window + 1, 0) // block_keys
+        in_seq = (row_token >= lo) & (row_token < hi)
+        q_pos = first_pos + row_token - q_lo  # [R, 1]
+
+        def body(kv_blk, carry):
+            m, denom, acc = carry
+            slot = (kv_blk - kv_first) % 2
+
+            @pl.when(kv_blk + 1 < kv_stop)
+            def _():
+                for c in copies(seq, kv_blk + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(seq, kv_blk, slot):
+                c.wait()
+            k = k_buf[slot].reshape(block_keys, -1)
+            v = v_buf[slot].reshape(block_keys, -1)
+            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+            k_pos = kv_blk * block_keys + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            s = jnp.where(visible, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            alpha = jnp.exp(m - m_new)
+            denom = alpha * denom + p.sum(axis=1, keepdims=True)
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, denom, alpha * acc + pv
+
+        @pl.when((hi > lo) & (kv_stop > kv_first))
+        def _():
+            for c in copies(seq, kv_first, 0):
+                c.start()
+            init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                    jnp.zeros((rows, q.shape[1]), jnp.float32))
+            _, denom, acc = lax.fori_loop(kv_first, kv_stop, body, init)
+            out = acc / jnp.where(in_seq, denom, 1.0)
+            o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+
+    def cond(seq):
+        return (seq < num_seqs_ref[0]) & (cu_q_lens_ref[jnp.minimum(seq, num_seqs_ref[0])] < block_end)
+
+    def step(seq):
+        attend_seq(seq)
+        return seq + 1
+
+    lax.while_loop(cond, step, first_seq_ref[q_blk])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "sliding_window", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_indices: jax.Array,
+    cu_pages: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    block_q: int = DEFAULT_BLOCK_SIZES[0],
+    pages_per_block: int | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The kernel. ``q [T, Hq, D]``; ``k_pages, v_pages [Hkv, num_pages, page_size, D]``; ``page_indices`` flat
+    int32, sequence ``s``'s pages at ``[cu_pages[s], cu_pages[s + 1])``; ``cu_q_lens`` and ``cu_pages`` ``[S + 1]``;
+    ``kv_lens [S]``; ``num_seqs [1]`` (sequences ``>= num_seqs[0]`` are ignored). Returns ``[T, Hq, D]``.
+    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    if pages_per_block is None:
+        pages_per_block = default_block_sizes(None, page_size)[1]
+    num_blocks = pl.cdiv(num_tokens, block_q)
+    padded = num_blocks * block_q
+    # Token-major rows per KV head: [Hkv, T * G, D], the G heads of one token consecutive.
+    qh = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    qh = qh.reshape(padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qh = qh.reshape(num_kv_heads, padded * group, head_dim)
+    # The first sequence each query block overlaps: the first s with cu_q_lens[s + 1] > block start.
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    first_seq = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
+
+    rows = block_q * group
+    q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    kernel = functools.partial(_kernel, scale=scale, group=group, page_size=page_size,
+                               pages_per_block=pages_per_block, sliding_window=sliding_window)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(num_kv_heads, num_blocks),
+            in_specs=[q_spec, hbm, hbm],
+            out_specs=q_spec,
+            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jsgl_ragged_paged_attention",
+    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq, qh, k_pages, v_pages)
+    out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
+
+
+def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """jsgl's metadata as the kernel's scalar inputs: ``(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs)``.
+
+    Assumes the runner's batch order (request ``b``'s tokens at ``q_start[b] = sum(q_len[:b])``; padding rows with
+    ``q_len == 0`` anywhere). The flat page list is the table's rows compacted to ``cdiv(kv_len, page_size)`` pages
+    each (its static length stays ``B * pages``: a TPU runner would build it flat, issue #36 item 4).
+    """
+    table, page = meta.block_table, meta.page_size
+    batch, width = table.shape
+    kv_lens = jnp.where(meta.q_len > 0, meta.kv_lens, 0).astype(jnp.int32)
+    cu_q = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_len).astype(jnp.int32)])
+    pages = (kv_lens + page - 1) // page
+    cu_pages = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pages).astype(jnp.int32)])
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    dest = jnp.where(col < pages[:, None], cu_pages[:-1, None] + col, batch * width)
+    flat = jnp.zeros(batch * width, jnp.int32).at[dest.reshape(-1)].set(table.reshape(-1), mode="drop")
+    return flat, cu_pages, cu_q, kv_lens, jnp.full((1,), batch, jnp.int32)
+
+
+def tpu_paged_attention(
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, scale: float, *,
+    block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
+) -> jax.Array:
+    """jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]``, :class:`AttentionMetadata`) on the kernel.
+    ``interpret``: default, the interpreter unless this process's backend is TPU."""
+    if not isinstance(k_pool, jax.Array) or not isinstance(v_pool, jax.Array):
+        raise NotImplementedError("tpu attention reads bf16/float32 pools; the 8-bit format is not supported yet")
+    num_kv_heads, num_slots, head_dim = k_pool.shape
+    page = meta.page_size
+    default_q, default_pages = default_block_sizes(None, page)
+    k_pages = k_pool.reshape(num_kv_heads, num_slots // page, page, head_dim)
+    v_pages = v_pool.reshape(num_kv_heads, num_slots // page, page, head_dim)
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    return ragged_paged_attention(
+        q, k_pages, v_pages, *kernel_inputs(meta), scale=scale, block_q=block_q or default_q,
+        pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
