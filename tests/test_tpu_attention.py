@@ -1,0 +1,128 @@
+"""The TPU ragged paged-attention kernel (jsgl.kernels.tpu_attention) vs the pure-JAX reference, in Pallas TPU
+interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine.
+
+Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
+long one; GQA ratios 1, 4 and 8; bfloat16 and float32. Small query and KV blocks so sequences straddle query
+blocks and take several double-buffered KV blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsgl.kernels import lowering
+from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
+
+PAGE = 8
+HEAD_DIM = 32
+SCALE = HEAD_DIM**-0.5
+LONG = 5 * PAGE + 3
+GQA = [(4, 1), (8, 2), (8, 1)]  # (Hq, Hkv): group 4, 4 with 2 KV heads, 8
+GQA_ONE = (2, 2)  # group 1
+
+
+def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0):
+    """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order)."""
+    rng = np.random.default_rng(seed)
+    kv_lens, q_lens = np.asarray(kv_lens, np.int32), np.asarray(q_lens, np.int32)
+    pages = -(-kv_lens // PAGE)
+    num_pages = int(pages.sum()) + 3  # page 0 reserved, two never used
+    order = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(kv_lens), int(pages.max()) + 1), np.int32)  # one spare column: the table is padded
+    off = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[off:off + n]
+        off += n
+    q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    num_tokens = int(q_lens.sum()) + extra_tokens
+    positions = np.full(num_tokens, -1, np.int32)
+    for b in range(len(kv_lens)):
+        positions[q_start[b]:q_start[b] + q_lens[b]] = kv_lens[b] - q_lens[b] + np.arange(q_lens[b])
+    meta = AttentionMetadata(positions=jnp.asarray(positions), q_start=jnp.asarray(q_start),
+                             q_len=jnp.asarray(q_lens), block_table=jnp.asarray(table),
+                             kv_lens=jnp.asarray(kv_lens), max_q_len=max(1, int(q_lens.max())), page_size=PAGE)
+    pool_shape = (num_kv_heads, num_pages * PAGE, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(pool_shape), dtype)
+    v = jnp.asarray(rng.standard_normal(pool_shape), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, HEAD_DIM)), dtype)
+    return q, k, v, meta
+
+
+def max_error(q, k, v, meta, **blocks):
+    """Max |kernel - reference| over the tokens some request owns (padding tokens: zeros in the kernel)."""
+    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, SCALE)
+    fn = functools.partial(tpu_paged_attention, scale=SCALE, interpret=True, **blocks)
+    out = jax.jit(fn)(q, k, v, meta)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    owned = np.asarray(meta.positions) >= 0
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not out[~owned].any()
+    return float(np.abs(out[owned] - ref[owned]).max())
+
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # bf16: output rounding (2^-8 relative) of values up to ~3
+LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, LONG]
+CASES = {
+    # One new token each; a padding row (q_len 0) in the middle and padding tokens after the batch.
+    "decode": (LENGTHS[:2] + [0] + LENGTHS[2:], [1, 1, 0, 1, 1, 1], 2),
+    # Extends over cached prefixes (a jump-forward-sized one among them) and two whole prefills.
+    "extend": (LENGTHS, [1, PAGE - 1, 3, PAGE + 1, 11], 0),
+    # Decode rows between extend rows, so one query block holds both.
+    "mixed": ([LONG, 1, PAGE + 1, PAGE, PAGE - 1, 2 * PAGE], [1, 1, 5, 1, PAGE - 1, 2 * PAGE], 3),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("heads", [GQA_ONE, *GQA])
+@pytest.mark.parametrize("batch", sorted(CASES))
+def test_matches_reference(batch, heads, dtype):
+    kv_lens, q_lens, extra_tokens = CASES[batch]
+    q, k, v, meta = make_case(len(batch) + heads[0], *heads, kv_lens, q_lens, dtype=dtype, extra_tokens=extra_tokens)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+def test_default_blocks_and_one_page_per_block():
+    # The default block sizes (one query block, one KV block here) and the smallest KV block (one page).
+    q, k, v, meta = make_case(11, 8, 2, *CASES["mixed"][:2], dtype=jnp.float32)
+    assert max_error(q, k, v, meta) < 2e-5
+    assert max_error(q, k, v, meta, block_q=2, pages_per_block=1) < 2e-5
+
+
+def test_sliding_window():
+    # The window starts the KV loop past the first blocks (LONG with W = 10) and masks inside a block.
+    import dataclasses
+
+    q, k, v, meta = make_case(5, 8, 2, *CASES["mixed"][:2], dtype=jnp.float32)
+    meta = dataclasses.replace(meta, sliding_window=10)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=1) < 2e-5
+
+
+def test_flat_page_list():
+    # Each request's pages, compacted: no padded [B, pages] row reaches the kernel.
+    _, _, _, meta = make_case(0, 2, 2, [1, 0, 2 * PAGE + 1], [1, 0, 1], dtype=jnp.float32)
+    pages, cu_pages, cu_q, kv_lens, num_seqs = kernel_inputs(meta)
+    table = np.asarray(meta.block_table)
+    assert list(np.asarray(cu_pages)) == [0, 1, 1, 4] and list(np.asarray(cu_q)) == [0, 1, 1, 2]
+    assert list(np.asarray(pages)[:4]) == [table[0, 0], *table[2, :3]]
+    assert list(np.asarray(kv_lens)) == [1, 0, 2 * PAGE + 1] and int(num_seqs[0]) == 3
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_lowers_for_tpu(kind, monkeypatch):
+    # Llama-3-8B attention shapes (32 query heads over 8 KV heads, head_dim 128), bf16 pages of 16.
+    monkeypatch.setitem(lowering.TARGET_KINDS, "tpu", (kind, 1, "tpu"))
+    tokens, pages, batch = 64, 512, 8
+    s = jax.ShapeDtypeStruct
+    args = (s((tokens, 32, 128), jnp.bfloat16), s((8, pages, 16, 128), jnp.bfloat16),
+            s((8, pages, 16, 128), jnp.bfloat16), s((batch * 64,), jnp.int32), s((batch + 1,), jnp.int32),
+            s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32))
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
+    text = lowering.lower_for(fn, *args, platform="tpu").as_text()
+    assert text.count("tpu_custom_call") == 1
+    assert "jsgl_ragged_paged_attention" in text
