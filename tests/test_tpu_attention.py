@@ -2,8 +2,8 @@
 interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine.
 
 Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
-long one; GQA ratios 1, 4 and 8; bfloat16 and float32. Small query and KV blocks so sequences straddle query
-blocks and take several double-buffered KV blocks.
+long one; GQA ratios 1, 4 and 8; bfloat16, the 8-bit format and float32. Small query and KV blocks so sequences
+straddle query blocks and take several double-buffered KV blocks.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsgl.kernels import lowering
+from jsgl.kernels import kv_quant, lowering
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.kernels.kv_quant import Int8Pool
 from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
 
 PAGE = 8
@@ -28,7 +29,10 @@ GQA_ONE = (2, 2)  # group 1
 
 
 def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0):
-    """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order)."""
+    """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order).
+    ``dtype="int8"``: the 8-bit format (an Int8Pool of per-token scales) with bfloat16 queries."""
+    quantized = dtype == "int8"
+    dtype = jnp.bfloat16 if quantized else dtype
     rng = np.random.default_rng(seed)
     kv_lens, q_lens = np.asarray(kv_lens, np.int32), np.asarray(q_lens, np.int32)
     pages = -(-kv_lens // PAGE)
@@ -51,6 +55,8 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
     k = jnp.asarray(rng.standard_normal(pool_shape), dtype)
     v = jnp.asarray(rng.standard_normal(pool_shape), dtype)
     q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, HEAD_DIM)), dtype)
+    if quantized:
+        k, v = Int8Pool(*kv_quant.quantize(k)), Int8Pool(*kv_quant.quantize(v))
     return q, k, v, meta
 
 
@@ -66,7 +72,8 @@ def max_error(q, k, v, meta, **blocks):
     return float(np.abs(out[owned] - ref[owned]).max())
 
 
-TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # bf16: output rounding (2^-8 relative) of values up to ~3
+# bf16 (and int8 with bf16 queries): output rounding, 2^-8 relative, of values up to ~3.
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, "int8": 3e-2}
 LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, LONG]
 CASES = {
     # One new token each; a padding row (q_len 0) in the middle and padding tokens after the batch.
@@ -78,7 +85,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+# float32 in the full suite only (the quick loop's 60 s budget); test_default_blocks_... keeps one float32 case there.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8", pytest.param(jnp.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("heads", [GQA_ONE, *GQA])
 @pytest.mark.parametrize("batch", sorted(CASES))
 def test_matches_reference(batch, heads, dtype):
@@ -126,3 +134,15 @@ def test_lowers_for_tpu(kind, monkeypatch):
     text = lowering.lower_for(fn, *args, platform="tpu").as_text()
     assert text.count("tpu_custom_call") == 1
     assert "jsgl_ragged_paged_attention" in text
+
+
+def test_int8_lowers_for_tpu():
+    # The 8-bit format's kernel (int8 pages + per-token scales, four DMA streams) lowers too.
+    tokens, pages, batch = 64, 512, 8
+    s = jax.ShapeDtypeStruct
+    values, scales = s((8, pages, 16, 128), jnp.int8), s((8, pages, 16), jnp.float32)
+    args = (s((tokens, 32, 128), jnp.bfloat16), values, values, s((batch * 64,), jnp.int32),
+            s((batch + 1,), jnp.int32), s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32),
+            scales, scales)
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
+    assert lowering.lower_for(fn, *args, platform="tpu").as_text().count("tpu_custom_call") == 1

@@ -25,7 +25,11 @@ see (and from the first one inside a sliding window). Rows of other sequences ar
 untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
 buffers never hold uninitialised values; the mask removes them.
 
-Not yet here (issue #36): the 8-bit KV format, a head_dim padded to 128, prefetching across sequences (each
+**8-bit KV** (:class:`jsgl.kernels.kv_quant.Int8Pool`): int8 pages and their per-token float32 scales
+``[Hkv, num_pages, page_size]`` are fetched by the same per-page copies; the int8 values (exact in bf16) enter the
+dots as they are and the scales multiply the scores (K) and the probabilities (V), rows of ``block_keys``.
+
+Not yet here (issue #36): a head_dim padded to 128, prefetching across sequences (each
 sequence's first block is a pipeline bubble), writing the new K/V inside the kernel, and the TPU pool layout.
 """
 
@@ -40,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jsgl.kernels.attention import AttentionMetadata
+from jsgl.kernels.kv_quant import Int8Pool, KVPool, LayerPool
 
 # A masked score: finite, so a fully masked row gives exp(0) garbage that the final select drops, never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -58,12 +63,17 @@ def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, i
 def _kernel(
     # Scalar prefetch (SMEM).
     page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref,
-    # Inputs: this program's queries (VMEM block) and the whole pools (HBM).
-    q_ref, k_hbm_ref, v_hbm_ref,
-    # Output block, then scratch.
-    o_ref, k_buf, v_buf, sems,
-    *, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
+    # This program's queries (VMEM block), the whole pools (HBM) and, in the 8-bit format, their scales (HBM);
+    # the output block; VMEM buffers for each pool (and scales); DMA semaphores.
+    *refs, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
+    quantized: bool,
 ):
+    if quantized:
+        q_ref, k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf), (ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf))
+    else:
+        q_ref, k_hbm_ref, v_hbm_ref, o_ref, k_buf, v_buf, sems = refs
+        pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf))
     head, q_blk = pl.program_id(0), pl.program_id(1)
     rows = q_ref.shape[0]
     block_q = rows // group
@@ -82,7 +92,7 @@ def _kernel(
         for p in range(pages_per_block):
             idx = first + kv_blk * pages_per_block + p
             page = jnp.where(idx < end, page_indices_ref[jnp.minimum(idx, end - 1)], 0)
-            for hbm, buf, which in ((k_hbm_ref, k_buf, 0), (v_hbm_ref, v_buf, 1)):
+            for which, (hbm, buf) in enumerate(pools):
                 out.append(pltpu.make_async_copy(hbm.at[head, page], buf.at[slot, p], sems.at[which, slot]))
         return out
 
@@ -112,8 +122,12 @@ def _kernel(
                 c.wait()
             k = k_buf[slot].reshape(block_keys, -1)
             v = v_buf[slot].reshape(block_keys, -1)
+            if quantized:  # int8 is exact in bf16/f32: dot the values, apply the per-token scales to the scores
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
             s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale
+            if quantized:
+                s = s * ks_buf[slot].reshape(1, block_keys)
             k_pos = kv_blk * block_keys + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
             visible = k_pos <= q_pos
             if sliding_window is not None:
@@ -123,7 +137,9 @@ def _kernel(
             p = jnp.exp(s - m_new)
             alpha = jnp.exp(m - m_new)
             denom = alpha * denom + p.sum(axis=1, keepdims=True)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            # V's scale folds into the probabilities: p @ (s_v * v) == (p * s_v) @ v.
+            pv_weights = p * vs_buf[slot].reshape(1, block_keys) if quantized else p
+            pv = jnp.dot(pv_weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return m_new, denom, alpha * acc + pv
 
         @pl.when((hi > lo) & (kv_stop > kv_first))
@@ -156,6 +172,8 @@ def ragged_paged_attention(
     cu_q_lens: jax.Array,
     kv_lens: jax.Array,
     num_seqs: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     *,
     scale: float,
     block_q: int = DEFAULT_BLOCK_SIZES[0],
@@ -166,6 +184,8 @@ def ragged_paged_attention(
     """The kernel. ``q [T, Hq, D]``; ``k_pages, v_pages [Hkv, num_pages, page_size, D]``; ``page_indices`` flat
     int32, sequence ``s``'s pages at ``[cu_pages[s], cu_pages[s + 1])``; ``cu_q_lens`` and ``cu_pages`` ``[S + 1]``;
     ``kv_lens [S]``; ``num_seqs [1]`` (sequences ``>= num_seqs[0]`` are ignored). Returns ``[T, Hq, D]``.
+    The 8-bit format: int8 pages with ``k_scales, v_scales [Hkv, num_pages, page_size]`` float32 (one per token
+    and head, as :mod:`jsgl.kernels.kv_quant`), fetched page by page beside the values.
     ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -186,22 +206,28 @@ def ragged_paged_attention(
     q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    quantized = k_scales is not None
+    pools, in_specs, scratch = [k_pages, v_pages], [q_spec, hbm, hbm], [buf, buf]
+    if quantized:
+        pools += [k_scales, v_scales]
+        in_specs += [hbm, hbm]
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
     kernel = functools.partial(_kernel, scale=scale, group=group, page_size=page_size,
-                               pages_per_block=pages_per_block, sliding_window=sliding_window)
+                               pages_per_block=pages_per_block, sliding_window=sliding_window, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=(num_kv_heads, num_blocks),
-            in_specs=[q_spec, hbm, hbm],
+            in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2))],
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(pools), 2))],
         ),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jsgl_ragged_paged_attention",
-    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq, qh, k_pages, v_pages)
+    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq, qh, *pools)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
 
@@ -226,20 +252,26 @@ def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 def tpu_paged_attention(
-    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, meta: AttentionMetadata, scale: float, *,
+    q: jax.Array, k_pool: KVPool, v_pool: KVPool, meta: AttentionMetadata, scale: float, *,
     block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
 ) -> jax.Array:
     """jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]``, :class:`AttentionMetadata`) on the kernel.
     ``interpret``: default, the interpreter unless this process's backend is TPU."""
-    if not isinstance(k_pool, jax.Array) or not isinstance(v_pool, jax.Array):
-        raise NotImplementedError("tpu attention reads bf16/float32 pools; the 8-bit format is not supported yet")
+    if isinstance(k_pool, LayerPool) or isinstance(v_pool, LayerPool):
+        raise NotImplementedError("tpu attention reads one layer's pool, not a scanned stack (LayerPool)")
     num_kv_heads, num_slots, head_dim = k_pool.shape
     page = meta.page_size
     default_q, default_pages = default_block_sizes(None, page)
-    k_pages = k_pool.reshape(num_kv_heads, num_slots // page, page, head_dim)
-    v_pages = v_pool.reshape(num_kv_heads, num_slots // page, page, head_dim)
+
+    def pages(x: jax.Array) -> jax.Array:  # [Hkv, N, ...] -> [Hkv, N / page, page, ...]: a reshape, no copy
+        return x.reshape(num_kv_heads, num_slots // page, page, *x.shape[2:])
+
+    if isinstance(k_pool, Int8Pool):
+        pools = [pages(k_pool.values), pages(v_pool.values), pages(k_pool.scales), pages(v_pool.scales)]
+    else:
+        pools = [pages(k_pool), pages(v_pool)]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     return ragged_paged_attention(
-        q, k_pages, v_pages, *kernel_inputs(meta), scale=scale, block_q=block_q or default_q,
+        q, *pools[:2], *kernel_inputs(meta), *pools[2:], scale=scale, block_q=block_q or default_q,
         pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
