@@ -17,7 +17,7 @@ import pytest
 
 from jsgl.kernels import kv_quant, lowering
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
-from jsgl.kernels.kv_quant import Int8Pool
+from jsgl.kernels.kv_quant import Int8Pool, LayerPool
 from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
 
 PAGE = 8
@@ -109,6 +109,21 @@ def test_sliding_window():
     q, k, v, meta = make_case(5, 8, 2, *CASES["mixed"][:2], dtype=jnp.float32)
     meta = dataclasses.replace(meta, sliding_window=10)
     assert max_error(q, k, v, meta, block_q=4, pages_per_block=1) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
+def test_layer_of_a_stack(dtype):
+    # A scanned forward's pools: the kernel reads layer 1 of a [Hkv, 3, N, D] stack in place.
+    q, k, v, meta = make_case(7, 8, 2, *CASES["mixed"][:2], dtype=dtype)
+
+    def stack(pool, other):
+        if isinstance(pool, Int8Pool):
+            return Int8Pool(*(jnp.stack([o, x, o], axis=1) for x, o in ((pool.values, other.values),
+                                                                     (pool.scales, other.scales))))
+        return jnp.stack([other, pool, other], axis=1)
+
+    k_stack, v_stack = LayerPool(stack(k, v), jnp.int32(1)), LayerPool(stack(v, k), jnp.int32(1))
+    assert max_error(q, k_stack, v_stack, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
 
 
 def test_flat_page_list():

@@ -62,7 +62,7 @@ def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, i
 
 def _kernel(
     # Scalar prefetch (SMEM).
-    page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref,
+    page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref, layer_ref,
     # This program's queries (VMEM block), the whole pools (HBM) and, in the 8-bit format, their scales (HBM);
     # the output block; VMEM buffers for each pool (and scales); DMA semaphores.
     *refs, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
@@ -93,7 +93,8 @@ def _kernel(
             idx = first + kv_blk * pages_per_block + p
             page = jnp.where(idx < end, page_indices_ref[jnp.minimum(idx, end - 1)], 0)
             for which, (hbm, buf) in enumerate(pools):
-                out.append(pltpu.make_async_copy(hbm.at[head, page], buf.at[slot, p], sems.at[which, slot]))
+                src = hbm.at[head, layer_ref[0], page]
+                out.append(pltpu.make_async_copy(src, buf.at[slot, p], sems.at[which, slot]))
         return out
 
     def attend_seq(seq):
@@ -174,6 +175,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    layer: jax.Array | None = None,
     *,
     scale: float,
     block_q: int = DEFAULT_BLOCK_SIZES[0],
@@ -186,9 +188,15 @@ def ragged_paged_attention(
     ``kv_lens [S]``; ``num_seqs [1]`` (sequences ``>= num_seqs[0]`` are ignored). Returns ``[T, Hq, D]``.
     The 8-bit format: int8 pages with ``k_scales, v_scales [Hkv, num_pages, page_size]`` float32 (one per token
     and head, as :mod:`jsgl.kernels.kv_quant`), fetched page by page beside the values.
+    ``layer`` (int32 scalar): the pages (and scales) carry a layer axis after the heads, ``[Hkv, L, num_pages, ...]``
+    (a scanned forward's stacked pools), and the kernel reads this layer's pages from the stack without a copy.
     ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    if layer is None:  # one layer's pools: a layer axis of 1 (a reshape)
+        k_pages, v_pages = k_pages[:, None], v_pages[:, None]
+        k_scales, v_scales = (None, None) if k_scales is None else (k_scales[:, None], v_scales[:, None])
+        layer = jnp.zeros((), jnp.int32)
+    num_kv_heads, _, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     if pages_per_block is None:
         pages_per_block = default_block_sizes(None, page_size)[1]
@@ -217,7 +225,7 @@ def ragged_paged_attention(
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
+            num_scalar_prefetch=7,
             grid=(num_kv_heads, num_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -227,7 +235,8 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="jsgl_ragged_paged_attention",
-    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq, qh, *pools)
+    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq,
+      jnp.reshape(layer, (1,)).astype(jnp.int32), qh, *pools)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
 
@@ -257,14 +266,15 @@ def tpu_paged_attention(
 ) -> jax.Array:
     """jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]``, :class:`AttentionMetadata`) on the kernel.
     ``interpret``: default, the interpreter unless this process's backend is TPU."""
-    if isinstance(k_pool, LayerPool) or isinstance(v_pool, LayerPool):
-        raise NotImplementedError("tpu attention reads one layer's pool, not a scanned stack (LayerPool)")
-    num_kv_heads, num_slots, head_dim = k_pool.shape
+    layer = None
+    if isinstance(k_pool, LayerPool):  # a scanned forward: the stack and the layer, read in place
+        k_pool, v_pool, layer = k_pool.stack, v_pool.stack, k_pool.layer
     page = meta.page_size
     default_q, default_pages = default_block_sizes(None, page)
 
-    def pages(x: jax.Array) -> jax.Array:  # [Hkv, N, ...] -> [Hkv, N / page, page, ...]: a reshape, no copy
-        return x.reshape(num_kv_heads, num_slots // page, page, *x.shape[2:])
+    def pages(x: jax.Array) -> jax.Array:  # [Hkv, (L,) N, (D)] -> [Hkv, (L,) N / page, page, (D)]: a reshape
+        lead = 1 if layer is None else 2
+        return x.reshape(*x.shape[:lead], x.shape[lead] // page, page, *x.shape[lead + 1:])
 
     if isinstance(k_pool, Int8Pool):
         pools = [pages(k_pool.values), pages(v_pool.values), pages(k_pool.scales), pages(v_pool.scales)]
@@ -272,6 +282,9 @@ def tpu_paged_attention(
         pools = [pages(k_pool), pages(v_pool)]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    if not isinstance(scale, (int, float)):  # a traced scale: folded into q, the kernel's stays static
+        q, scale = (q * scale).astype(q.dtype), 1.0
+    scales = pools[2:] or [None, None]
     return ragged_paged_attention(
-        q, *pools[:2], *kernel_inputs(meta), *pools[2:], scale=scale, block_q=block_q or default_q,
+        q, *pools[:2], *kernel_inputs(meta), *scales, layer, scale=float(scale), block_q=block_q or default_q,
         pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
