@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jsgl.kernels import kv_quant, lowering
-from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
+from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
 from jsgl.kernels.kv_quant import Int8Pool, LayerPool
 from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
 
@@ -161,3 +161,24 @@ def test_int8_lowers_for_tpu():
             scales, scales)
     fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
     assert lowering.lower_for(fn, *args, platform="tpu").as_text().count("tpu_custom_call") == 1
+
+
+def test_backend_auto_on_tpu_and_a_readable_error_elsewhere():
+    from jsgl.engine.backends import resolve_backends
+
+    assert resolve_backends(platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention == "tpu"
+    with pytest.raises(ValueError, match="the Mosaic kernel for TPUs; this platform is 'cpu'"):
+        resolve_backends("tpu", platform="cpu")
+
+
+def test_backend_interprets_here_and_lowers_mosaic_for_tpu():
+    # The registered backend chooses per lowering platform: interpreted on this CPU, Mosaic when lowered for TPU.
+    backend = get_attention_backend("tpu")
+    q, k, v, meta = make_case(3, 8, 2, *CASES["mixed"][:2], dtype=jnp.bfloat16)
+    fn = jax.jit(functools.partial(backend, scale=SCALE))
+    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, SCALE)
+    owned = np.asarray(meta.positions) >= 0
+    err = np.abs(np.asarray(fn(q, k, v, meta), np.float32) - np.asarray(ref, np.float32))[owned].max()
+    assert err < TOLERANCE[jnp.bfloat16]
+    text = lowering.lower_for(fn, q, k, v, meta, platform="tpu").as_text()
+    assert text.count("tpu_custom_call") == 1

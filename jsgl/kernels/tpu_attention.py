@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jsgl.kernels.attention import AttentionMetadata
+from jsgl.kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
 from jsgl.kernels.kv_quant import Int8Pool, KVPool, LayerPool
 
 # A masked score: finite, so a fully masked row gives exp(0) garbage that the final select drops, never NaN.
@@ -260,17 +260,31 @@ def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Ar
     return flat, cu_pages, cu_q, kv_lens, jnp.full((1,), batch, jnp.int32)
 
 
+def _target_tpu() -> str | None:
+    """The device kind of the TPU being traced for (this process's, or an abstract mesh's), else None. Decided at
+    trace time: the interpreter's callbacks cannot sit in a ``lax.platform_dependent`` branch."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform == "tpu":
+        return device.device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
 def tpu_paged_attention(
     q: jax.Array, k_pool: KVPool, v_pool: KVPool, meta: AttentionMetadata, scale: float, *,
     block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
 ) -> jax.Array:
-    """jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]``, :class:`AttentionMetadata`) on the kernel.
-    ``interpret``: default, the interpreter unless this process's backend is TPU."""
+    """The "tpu" backend: jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]`` or a layer of a stack,
+    :class:`AttentionMetadata`) on the kernel. ``interpret`` unset: Mosaic where the step is lowered for TPU, the
+    interpreter elsewhere, so a step lowered on this CPU host for TPU (an abstract TPU device) gets the kernel. Block
+    sizes default per TPU generation, the target's."""
+    target = _target_tpu()
+    if interpret is None:
+        interpret = target is None
     layer = None
     if isinstance(k_pool, LayerPool):  # a scanned forward: the stack and the layer, read in place
         k_pool, v_pool, layer = k_pool.stack, v_pool.stack, k_pool.layer
     page = meta.page_size
-    default_q, default_pages = default_block_sizes(None, page)
+    default_q, default_pages = default_block_sizes(target, page)
 
     def pages(x: jax.Array) -> jax.Array:  # [Hkv, (L,) N, (D)] -> [Hkv, (L,) N / page, page, (D)]: a reshape
         lead = 1 if layer is None else 2
@@ -280,11 +294,12 @@ def tpu_paged_attention(
         pools = [pages(k_pool.values), pages(v_pool.values), pages(k_pool.scales), pages(v_pool.scales)]
     else:
         pools = [pages(k_pool), pages(v_pool)]
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
     if not isinstance(scale, (int, float)):  # a traced scale: folded into q, the kernel's stays static
         q, scale = (q * scale).astype(q.dtype), 1.0
     scales = pools[2:] or [None, None]
     return ragged_paged_attention(
         q, *pools[:2], *kernel_inputs(meta), *scales, layer, scale=float(scale), block_q=block_q or default_q,
         pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
+
+
+register_attention_backend(AttentionBackend("tpu", tpu_paged_attention))
