@@ -182,3 +182,32 @@ def test_backend_interprets_here_and_lowers_mosaic_for_tpu():
     assert err < TOLERANCE[jnp.bfloat16]
     text = lowering.lower_for(fn, q, k, v, meta, platform="tpu").as_text()
     assert text.count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("name", ["decode", "extend"])
+def test_engine_step_lowers_for_tpu_with_the_kernel_and_pools_in_place(name, scanned):
+    """The whole jitted step of a Llama-3-8B-shaped model (abstract weights, bf16, pages of 16) lowered for TPU
+    v5e with attention_backend='tpu': the Mosaic kernel called once a layer (once in the scanned loop's body),
+    and every pool (64 unrolled, the two stacks scanned) donated."""
+    import re
+
+    from jsgl.engine.model_runner import _step
+    from jsgl.engine.step_inputs import StepLayout
+    from jsgl.model.config import LLAMA3_8B, ModelConfig
+    from jsgl.model.llama import param_shapes
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    layout = {"decode": StepLayout(8, 8, 1, 512, 16), "extend": StepLayout(256, 8, 64, 512, 16)}[name]
+    layers = (cfg.num_layers,) if scanned else ()
+    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, *layers, 4096, cfg.head_dim), jnp.bfloat16)
+    kv = (pool, pool) if scanned else ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
+    step = jax.jit(functools.partial(_step, layout=layout, config=cfg, attention_backend="tpu", prompt_top_k=-1,
+                                     tp=None), donate_argnums=(1,))
+    args = (param_shapes(cfg, jnp.bfloat16, scanned), kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+            jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
+    text = lowering.lower_for(step, *args, platform="tpu").as_text()
+    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    assert text.count("custom_call @tpu_custom_call") == 1  # the kernel's function, called from each layer
+    assert len(re.findall(r"call @ragged_paged_attention\(", text)) == (1 if scanned else cfg.num_layers)
+    assert len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main)) == (2 if scanned else 64)
