@@ -111,7 +111,7 @@ def test_sliding_window():
     assert max_error(q, k, v, meta, block_q=4, pages_per_block=1) < 2e-5
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param("int8", marks=pytest.mark.slow)])
 def test_layer_of_a_stack(dtype):
     # A scanned forward's pools: the kernel reads layer 1 of a [Hkv, 3, N, D] stack in place.
     q, k, v, meta = make_case(7, 8, 2, *CASES["mixed"][:2], dtype=dtype)

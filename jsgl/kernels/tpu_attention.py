@@ -29,8 +29,10 @@ buffers never hold uninitialised values; the mask removes them.
 ``[Hkv, num_pages, page_size]`` are fetched by the same per-page copies; the int8 values (exact in bf16) enter the
 dots as they are and the scales multiply the scores (K) and the probabilities (V), rows of ``block_keys``.
 
-Not yet here (issue #36): a head_dim padded to 128, prefetching across sequences (each
-sequence's first block is a pipeline bubble), writing the new K/V inside the kernel, and the TPU pool layout.
+Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
+own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
+(issue #36): a head_dim padded to 128, prefetching across sequences (each sequence's first block is a pipeline
+bubble), writing the new K/V inside the kernel, the TPU pool layout, a length-free step signature, and tp > 1.
 """
 
 from __future__ import annotations
