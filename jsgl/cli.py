@@ -31,8 +31,9 @@ ENGINE_HELP = {
     "mixed_prefill_tokens": "mixed steps: while requests decode, each step also carries at most this many prefill "
                             "tokens (fewer at long context); 0: off",
     "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
-    "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), cpu (C++ kernel); auto: pallas on a "
-                         "GPU, cpu on a CPU that builds the kernels (float32, --tp 1), else native",
+    "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), tpu (Mosaic; not yet run on a TPU), cpu "
+                         "(C++ kernel); auto: pallas on a GPU, cpu on a CPU that builds the kernels (float32, --tp 1), "
+                         "else native",
     "layers": "the model's layers as one lax.scan (compiles one layer: start-up that does not grow with depth) or "
               "unrolled (faster on CPU; needed by the CPU kernels); auto: scanned on a TPU, unrolled on a GPU (until "
               "its speed is measured there) and CPU",
@@ -85,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "device": ["auto", "cpu", "gpu", "tpu"],
         "prefix_cache": ["radix", "flat", "none"],
         "schedule_policy": ["lpm", "dfs-weight", "fcfs", "lof", "random"],
-        "attention_backend": ["auto", "native", "pallas", "cpu"],
+        "attention_backend": ["auto", "native", "pallas", "tpu", "cpu"],
         "matmul_backend": ["auto", "xla", "packed", "gguf"],
         "layers": ["auto", "scanned", "unrolled"],
         "grammar_backend": ["jsgl", "llguidance"],

@@ -20,7 +20,7 @@ from jsgl.model.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Backends:
-    attention: str  # native | cpu | pallas (kernels/attention.py's registry)
+    attention: str  # native | cpu | pallas | tpu (kernels/attention.py's registry)
     matmul: str  # xla | packed | gguf (kernels/cpu.py)
     tp: int = 1
     # The layers as one lax.scan over stacked weights and pools (one layer compiled), or unrolled (model/llama.py)
@@ -73,6 +73,9 @@ def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int =
         if dtype != jnp.float32 or kv_dtype != jnp.float32:
             raise ValueError(f"dtype {dtype}, kv_dtype {kv_dtype}: the CPU attention kernel is float32; use "
                              "attention_backend=native (or auto)")
+    if attention == "tpu" and platform != "tpu":
+        raise ValueError(f"attention_backend='tpu' is the Mosaic kernel for TPUs; this platform is {platform!r}: "
+                         "use auto, native, pallas (GPU) or cpu")
     if attention == "pallas" and page_size & (page_size - 1):
         raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
                          "size must be a power of two (1, 2, 4, ..., 64)")

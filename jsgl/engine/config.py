@@ -31,7 +31,7 @@ class EngineConfig:
     # docs/performance.md).
     mixed_prefill_tokens: int = 0
     context_length: int | None = None  # defaults to the model's
-    attention_backend: str = "auto"  # auto | native | pallas | cpu
+    attention_backend: str = "auto"  # auto | native | pallas | tpu | cpu
     # The layers as one lax.scan (one layer compiled: compile time that does not grow with depth) or unrolled:
     # auto = scanned on a TPU; unrolled on CPU (faster there, and what the CPU kernels need) and on a GPU, until a
     # scanned step's speed is measured there (docs/performance.md).

@@ -185,8 +185,9 @@ def register_attention_backend(backend: AttentionBackend) -> None:
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
-    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native. ``platform``:
-    JAX's backend name to resolve for (default: this process's)."""
+    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native (a TPU too: its
+    Mosaic kernel, ``tpu``, is chosen by name until it has compiled and run on one). ``platform``: JAX's backend
+    name to resolve for (default: this process's)."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
@@ -201,6 +202,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
     """The registered backend of a resolved name (``resolve_attention_backend`` turns ``auto`` into one)."""
     if name == "pallas" and "pallas" not in _BACKENDS:
         import jsgl.kernels.pallas_attention  # noqa: F401  (registers itself)
+    if name == "tpu" and "tpu" not in _BACKENDS:
+        import jsgl.kernels.tpu_attention  # noqa: F401  (registers itself)
     if name == "cpu" and "cpu" not in _BACKENDS:
         import jsgl.kernels.cpu  # noqa: F401  (registers itself)
     if name not in _BACKENDS:

@@ -1,0 +1,307 @@
+"""Ragged paged attention for TPU: a Pallas (Mosaic) kernel serving decode, extend and mixed batches in one call.
+
+Contract (the kernel, :func:`ragged_paged_attention`): the flat new tokens ``q [T, Hq, D]`` of ``num_seqs``
+sequences laid end to end, sequence ``s`` owning tokens ``[cu_q_lens[s], cu_q_lens[s + 1])`` and attending over
+its ``kv_lens[s]`` cached positions (its new tokens' K/V already written, the new tokens being its last
+``q_len`` positions). Query ``i`` of sequence ``s`` sits at position ``kv_lens[s] - q_len + i`` and sees keys
+``j <= position`` (and ``j > position - W`` under a sliding window ``W``): causal over the new tokens and full
+over the cached prefix at once, so decode (``q_len == 1``), prefill, extend over a prefix and jump-forward's short
+extends are one kernel. Tokens no sequence covers come back as zeros.
+
+**Pages.** K and V are ``[Hkv, num_pages, page_size, D]`` in HBM (``memory_space=ANY``): jsgl's per-layer pool
+``[Hkv, N, D]`` reshaped, no copy (page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``). Which pages a
+sequence reads is a *flat* page list in SMEM: sequence ``s``'s pages are
+``page_indices[cu_pages[s]:cu_pages[s + 1]]`` (``cdiv(kv_len, page_size)`` entries), so a 128k-context request
+costs its own pages in SMEM, not a padded ``[B, max_pages]`` row. ``cu_q_lens``, ``kv_lens``, ``num_seqs`` and
+``first_seq`` (per query block, the first sequence it overlaps) are scalar-prefetched beside it.
+
+**Blocks.** Grid ``(Hkv, cdiv(T, block_q))``. A program owns ``block_q`` flat tokens × the ``G = Hq / Hkv`` query
+heads of one KV head (``R = block_q * G`` rows of ``q``, laid out ``[Hkv, T * G, D]`` by the wrapper so the tile
+is contiguous). It walks the sequences its tokens belong to (several in a decode block, part of one in a long
+prefill), and for each streams KV blocks of ``pages_per_block`` pages through an online softmax in float32:
+each page is one async copy HBM→VMEM, and the next block's pages are copied while the current block is computed
+(two VMEM buffers, one DMA semaphore each). A block is loaded only up to the last key the program's queries can
+see (and from the first one inside a sliding window). Rows of other sequences are masked out and left
+untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
+buffers never hold uninitialised values; the mask removes them.
+
+**8-bit KV** (:class:`jsgl.kernels.kv_quant.Int8Pool`): int8 pages and their per-token float32 scales
+``[Hkv, num_pages, page_size]`` are fetched by the same per-page copies; the int8 values (exact in bf16) enter the
+dots as they are and the scales multiply the scores (K) and the probabilities (V), rows of ``block_keys``.
+
+Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
+own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
+(issue #36): a head_dim padded to 128, prefetching across sequences (each sequence's first block is a pipeline
+bubble), writing the new K/V inside the kernel, the TPU pool layout, a length-free step signature, and tp > 1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jsgl.kernels.attention import AttentionBackend, AttentionMetadata, register_attention_backend
+from jsgl.kernels.kv_quant import Int8Pool, KVPool, LayerPool
+
+# A masked score: finite, so a fully masked row gives exp(0) garbage that the final select drops, never NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# (block_q tokens, keys per KV block) by TPU generation: KV blocks fill the MXU (128 wide on v5e, 256 on v6e).
+BLOCK_SIZES = {"TPU v5 lite": (32, 128), "TPU v6 lite": (32, 256)}
+DEFAULT_BLOCK_SIZES = (32, 128)
+
+
+def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, int]:
+    """``(block_q, pages_per_block)`` for a TPU generation (its ``device_kind``), chosen without a device."""
+    block_q, block_keys = BLOCK_SIZES.get(device_kind or "", DEFAULT_BLOCK_SIZES)
+    return block_q, max(1, block_keys // page_size)
+
+
+def _kernel(
+    # Scalar prefetch (SMEM).
+    page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref, layer_ref,
+    # This program's queries (VMEM block), the whole pools (HBM) and, in the 8-bit format, their scales (HBM);
+    # the output block; VMEM buffers for each pool (and scales); DMA semaphores.
+    *refs, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
+    quantized: bool,
+):
+    if quantized:
+        q_ref, k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf), (ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf))
+    else:
+        q_ref, k_hbm_ref, v_hbm_ref, o_ref, k_buf, v_buf, sems = refs
+        pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf))
+    head, q_blk = pl.program_id(0), pl.program_id(1)
+    rows = q_ref.shape[0]
+    block_q = rows // group
+    block_keys = pages_per_block * page_size
+    block_start = q_blk * block_q
+    block_end = block_start + block_q
+    # The flat token of each row; rows are token-major (G heads of one token consecutive).
+    row_token = block_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+    q = q_ref[...]
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def copies(seq, kv_blk, slot):
+        # One DMA per page; pages past the sequence's end read page 0 so the buffer stays finite.
+        first, end = cu_pages_ref[seq], cu_pages_ref[seq + 1]
+        out = []
+        for p in range(pages_per_block):
+            idx = first + kv_blk * pages_per_block + p
+            page = jnp.where(idx < end, page_indices_ref[jnp.minimum(idx, end - 1)], 0)
+            for which, (hbm, buf) in enumerate(pools):
+                src = hbm.at[head, layer_ref[0], page]
+                out.append(pltpu.make_async_copy(src, buf.at[slot, p], sems.at[which, slot]))
+        return out
+
+    def attend_seq(seq):
+        q_lo, q_hi = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
+        kv_len = kv_lens_ref[seq]
+        first_pos = kv_len - (q_hi - q_lo)  # position of the sequence's first new token
+        lo, hi = jnp.maximum(q_lo, block_start), jnp.minimum(q_hi, block_end)
+        kv_end = first_pos + (hi - q_lo)  # keys past the block's last query are never visible
+        kv_stop = (kv_end + block_keys - 1) // block_keys
+        kv_first = jnp.int32(0)
+        if sliding_window is not None:  # keys before the block's first query's window are never visible
+            kv_first = jnp.maximum(first_pos + (lo - q_lo) - sliding_window + 1, 0) // block_keys
+        in_seq = (row_token >= lo) & (row_token < hi)
+        q_pos = first_pos + row_token - q_lo  # [R, 1]
+
+        def body(kv_blk, carry):
+            m, denom, acc = carry
+            slot = (kv_blk - kv_first) % 2
+
+            @pl.when(kv_blk + 1 < kv_stop)
+            def _():
+                for c in copies(seq, kv_blk + 1, 1 - slot):
+                    c.start()
+
+            for c in copies(seq, kv_blk, slot):
+                c.wait()
+            k = k_buf[slot].reshape(block_keys, -1)
+            v = v_buf[slot].reshape(block_keys, -1)
+            if quantized:  # int8 is exact in bf16/f32: dot the values, apply the per-token scales to the scores
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+            s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale
+            if quantized:
+                s = s * ks_buf[slot].reshape(1, block_keys)
+            k_pos = kv_blk * block_keys + lax.broadcasted_iota(jnp.int32, (rows, block_keys), 1)
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            s = jnp.where(visible, s, MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            alpha = jnp.exp(m - m_new)
+            denom = alpha * denom + p.sum(axis=1, keepdims=True)
+            # V's scale folds into the probabilities: p @ (s_v * v) == (p * s_v) @ v.
+            pv_weights = p * vs_buf[slot].reshape(1, block_keys) if quantized else p
+            pv = jnp.dot(pv_weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            return m_new, denom, alpha * acc + pv
+
+        @pl.when((hi > lo) & (kv_stop > kv_first))
+        def _():
+            for c in copies(seq, kv_first, 0):
+                c.start()
+            init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                    jnp.zeros((rows, q.shape[1]), jnp.float32))
+            _, denom, acc = lax.fori_loop(kv_first, kv_stop, body, init)
+            out = acc / jnp.where(in_seq, denom, 1.0)
+            o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+
+    def cond(seq):
+        return (seq < num_seqs_ref[0]) & (cu_q_lens_ref[jnp.minimum(seq, num_seqs_ref[0])] < block_end)
+
+    def step(seq):
+        attend_seq(seq)
+        return seq + 1
+
+    lax.while_loop(cond, step, first_seq_ref[q_blk])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "sliding_window", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_indices: jax.Array,
+    cu_pages: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    layer: jax.Array | None = None,
+    *,
+    scale: float,
+    block_q: int = DEFAULT_BLOCK_SIZES[0],
+    pages_per_block: int | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The kernel. ``q [T, Hq, D]``; ``k_pages, v_pages [Hkv, num_pages, page_size, D]``; ``page_indices`` flat
+    int32, sequence ``s``'s pages at ``[cu_pages[s], cu_pages[s + 1])``; ``cu_q_lens`` and ``cu_pages`` ``[S + 1]``;
+    ``kv_lens [S]``; ``num_seqs [1]`` (sequences ``>= num_seqs[0]`` are ignored). Returns ``[T, Hq, D]``.
+    The 8-bit format: int8 pages with ``k_scales, v_scales [Hkv, num_pages, page_size]`` float32 (one per token
+    and head, as :mod:`jsgl.kernels.kv_quant`), fetched page by page beside the values.
+    ``layer`` (int32 scalar): the pages (and scales) carry a layer axis after the heads, ``[Hkv, L, num_pages, ...]``
+    (a scanned forward's stacked pools), and the kernel reads this layer's pages from the stack without a copy.
+    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if layer is None:  # one layer's pools: a layer axis of 1 (a reshape)
+        k_pages, v_pages = k_pages[:, None], v_pages[:, None]
+        k_scales, v_scales = (None, None) if k_scales is None else (k_scales[:, None], v_scales[:, None])
+        layer = jnp.zeros((), jnp.int32)
+    num_kv_heads, _, _, page_size, _ = k_pages.shape
+    group = num_q_heads // num_kv_heads
+    if pages_per_block is None:
+        pages_per_block = default_block_sizes(None, page_size)[1]
+    num_blocks = pl.cdiv(num_tokens, block_q)
+    padded = num_blocks * block_q
+    # Token-major rows per KV head: [Hkv, T * G, D], the G heads of one token consecutive.
+    qh = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
+    qh = qh.reshape(padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qh = qh.reshape(num_kv_heads, padded * group, head_dim)
+    # The first sequence each query block overlaps: the first s with cu_q_lens[s + 1] > block start.
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    first_seq = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
+
+    rows = block_q * group
+    q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    quantized = k_scales is not None
+    pools, in_specs, scratch = [k_pages, v_pages], [q_spec, hbm, hbm], [buf, buf]
+    if quantized:
+        pools += [k_scales, v_scales]
+        in_specs += [hbm, hbm]
+        scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
+    kernel = functools.partial(_kernel, scale=scale, group=group, page_size=page_size,
+                               pages_per_block=pages_per_block, sliding_window=sliding_window, quantized=quantized)
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(num_kv_heads, num_blocks),
+            in_specs=in_specs,
+            out_specs=q_spec,
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(pools), 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="jsgl_ragged_paged_attention",
+    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq,
+      jnp.reshape(layer, (1,)).astype(jnp.int32), qh, *pools)
+    out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
+
+
+def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """jsgl's metadata as the kernel's scalar inputs: ``(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs)``.
+
+    Assumes the runner's batch order (request ``b``'s tokens at ``q_start[b] = sum(q_len[:b])``; padding rows with
+    ``q_len == 0`` anywhere). The flat page list is the table's rows compacted to ``cdiv(kv_len, page_size)`` pages
+    each (its static length stays ``B * pages``: a TPU runner would build it flat, issue #36 item 4).
+    """
+    table, page = meta.block_table, meta.page_size
+    batch, width = table.shape
+    kv_lens = jnp.where(meta.q_len > 0, meta.kv_lens, 0).astype(jnp.int32)
+    cu_q = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(meta.q_len).astype(jnp.int32)])
+    pages = (kv_lens + page - 1) // page
+    cu_pages = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pages).astype(jnp.int32)])
+    col = jnp.arange(width, dtype=jnp.int32)[None, :]
+    dest = jnp.where(col < pages[:, None], cu_pages[:-1, None] + col, batch * width)
+    flat = jnp.zeros(batch * width, jnp.int32).at[dest.reshape(-1)].set(table.reshape(-1), mode="drop")
+    return flat, cu_pages, cu_q, kv_lens, jnp.full((1,), batch, jnp.int32)
+
+
+def _target_tpu() -> str | None:
+    """The device kind of the TPU being traced for (this process's, or an abstract mesh's), else None. Decided at
+    trace time: the interpreter's callbacks cannot sit in a ``lax.platform_dependent`` branch."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform == "tpu":
+        return device.device_kind
+    return jax.devices()[0].device_kind if jax.default_backend() == "tpu" else None
+
+
+def tpu_paged_attention(
+    q: jax.Array, k_pool: KVPool, v_pool: KVPool, meta: AttentionMetadata, scale: float, *,
+    block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
+) -> jax.Array:
+    """The "tpu" backend: jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]`` or a layer of a stack,
+    :class:`AttentionMetadata`) on the kernel. ``interpret`` unset: Mosaic where the step is lowered for TPU, the
+    interpreter elsewhere, so a step lowered on this CPU host for TPU (an abstract TPU device) gets the kernel. Block
+    sizes default per TPU generation, the target's."""
+    target = _target_tpu()
+    if interpret is None:
+        interpret = target is None
+    layer = None
+    if isinstance(k_pool, LayerPool):  # a scanned forward: the stack and the layer, read in place
+        k_pool, v_pool, layer = k_pool.stack, v_pool.stack, k_pool.layer
+    page = meta.page_size
+    default_q, default_pages = default_block_sizes(target, page)
+
+    def pages(x: jax.Array) -> jax.Array:  # [Hkv, (L,) N, (D)] -> [Hkv, (L,) N / page, page, (D)]: a reshape
+        lead = 1 if layer is None else 2
+        return x.reshape(*x.shape[:lead], x.shape[lead] // page, page, *x.shape[lead + 1:])
+
+    if isinstance(k_pool, Int8Pool):
+        pools = [pages(k_pool.values), pages(v_pool.values), pages(k_pool.scales), pages(v_pool.scales)]
+    else:
+        pools = [pages(k_pool), pages(v_pool)]
+    if not isinstance(scale, (int, float)):  # a traced scale: folded into q, the kernel's stays static
+        q, scale = (q * scale).astype(q.dtype), 1.0
+    scales = pools[2:] or [None, None]
+    return ragged_paged_attention(
+        q, *pools[:2], *kernel_inputs(meta), *scales, layer, scale=float(scale), block_q=block_q or default_q,
+        pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
+
+
+register_attention_backend(AttentionBackend("tpu", tpu_paged_attention))

@@ -1,0 +1,216 @@
+"""The TPU ragged paged-attention kernel (jsgl.kernels.tpu_attention) vs the pure-JAX reference, in Pallas TPU
+interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine.
+
+Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
+long one; GQA ratios 1, 4 and 8; bfloat16, the 8-bit format and float32. Small query and KV blocks so sequences
+straddle query blocks and take several double-buffered KV blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsgl.kernels import kv_quant, lowering
+from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
+from jsgl.kernels.kv_quant import Int8Pool, LayerPool
+from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
+
+PAGE = 8
+HEAD_DIM = 32
+SCALE = HEAD_DIM**-0.5
+LONG = 5 * PAGE + 3
+GQA = [(4, 1), (8, 2), (8, 1)]  # (Hq, Hkv): group 4, 4 with 2 KV heads, 8
+GQA_ONE = (2, 2)  # group 1
+
+
+def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0):
+    """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order).
+    ``dtype="int8"``: the 8-bit format (an Int8Pool of per-token scales) with bfloat16 queries."""
+    quantized = dtype == "int8"
+    dtype = jnp.bfloat16 if quantized else dtype
+    rng = np.random.default_rng(seed)
+    kv_lens, q_lens = np.asarray(kv_lens, np.int32), np.asarray(q_lens, np.int32)
+    pages = -(-kv_lens // PAGE)
+    num_pages = int(pages.sum()) + 3  # page 0 reserved, two never used
+    order = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(kv_lens), int(pages.max()) + 1), np.int32)  # one spare column: the table is padded
+    off = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[off:off + n]
+        off += n
+    q_start = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    num_tokens = int(q_lens.sum()) + extra_tokens
+    positions = np.full(num_tokens, -1, np.int32)
+    for b in range(len(kv_lens)):
+        positions[q_start[b]:q_start[b] + q_lens[b]] = kv_lens[b] - q_lens[b] + np.arange(q_lens[b])
+    meta = AttentionMetadata(positions=jnp.asarray(positions), q_start=jnp.asarray(q_start),
+                             q_len=jnp.asarray(q_lens), block_table=jnp.asarray(table),
+                             kv_lens=jnp.asarray(kv_lens), max_q_len=max(1, int(q_lens.max())), page_size=PAGE)
+    pool_shape = (num_kv_heads, num_pages * PAGE, HEAD_DIM)
+    k = jnp.asarray(rng.standard_normal(pool_shape), dtype)
+    v = jnp.asarray(rng.standard_normal(pool_shape), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, HEAD_DIM)), dtype)
+    if quantized:
+        k, v = Int8Pool(*kv_quant.quantize(k)), Int8Pool(*kv_quant.quantize(v))
+    return q, k, v, meta
+
+
+def max_error(q, k, v, meta, **blocks):
+    """Max |kernel - reference| over the tokens some request owns (padding tokens: zeros in the kernel)."""
+    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, SCALE)
+    fn = functools.partial(tpu_paged_attention, scale=SCALE, interpret=True, **blocks)
+    out = jax.jit(fn)(q, k, v, meta)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    owned = np.asarray(meta.positions) >= 0
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not out[~owned].any()
+    return float(np.abs(out[owned] - ref[owned]).max())
+
+
+# bf16 (and int8 with bf16 queries): output rounding, 2^-8 relative, of values up to ~3.
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2, "int8": 3e-2}
+LENGTHS = [1, PAGE - 1, PAGE, PAGE + 1, LONG]
+CASES = {
+    # One new token each; a padding row (q_len 0) in the middle and padding tokens after the batch.
+    "decode": (LENGTHS[:2] + [0] + LENGTHS[2:], [1, 1, 0, 1, 1, 1], 2),
+    # Extends over cached prefixes (a jump-forward-sized one among them) and two whole prefills.
+    "extend": (LENGTHS, [1, PAGE - 1, 3, PAGE + 1, 11], 0),
+    # Decode rows between extend rows, so one query block holds both.
+    "mixed": ([LONG, 1, PAGE + 1, PAGE, PAGE - 1, 2 * PAGE], [1, 1, 5, 1, PAGE - 1, 2 * PAGE], 3),
+}
+
+
+# float32 in the full suite only (the quick loop's 60 s budget); test_default_blocks_... keeps one float32 case there.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8", pytest.param(jnp.float32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("heads", [GQA_ONE, *GQA])
+@pytest.mark.parametrize("batch", sorted(CASES))
+def test_matches_reference(batch, heads, dtype):
+    kv_lens, q_lens, extra_tokens = CASES[batch]
+    q, k, v, meta = make_case(len(batch) + heads[0], *heads, kv_lens, q_lens, dtype=dtype, extra_tokens=extra_tokens)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+def test_default_blocks_and_one_page_per_block():
+    # The default block sizes (one query block, one KV block here) and the smallest KV block (one page).
+    q, k, v, meta = make_case(11, 8, 2, *CASES["mixed"][:2], dtype=jnp.float32)
+    assert max_error(q, k, v, meta) < 2e-5
+    assert max_error(q, k, v, meta, block_q=2, pages_per_block=1) < 2e-5
+
+
+def test_sliding_window():
+    # The window starts the KV loop past the first blocks (LONG with W = 10) and masks inside a block.
+    import dataclasses
+
+    q, k, v, meta = make_case(5, 8, 2, *CASES["mixed"][:2], dtype=jnp.float32)
+    meta = dataclasses.replace(meta, sliding_window=10)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=1) < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param("int8", marks=pytest.mark.slow)])
+def test_layer_of_a_stack(dtype):
+    # A scanned forward's pools: the kernel reads layer 1 of a [Hkv, 3, N, D] stack in place.
+    q, k, v, meta = make_case(7, 8, 2, *CASES["mixed"][:2], dtype=dtype)
+
+    def stack(pool, other):
+        if isinstance(pool, Int8Pool):
+            return Int8Pool(*(jnp.stack([o, x, o], axis=1) for x, o in ((pool.values, other.values),
+                                                                     (pool.scales, other.scales))))
+        return jnp.stack([other, pool, other], axis=1)
+
+    k_stack, v_stack = LayerPool(stack(k, v), jnp.int32(1)), LayerPool(stack(v, k), jnp.int32(1))
+    assert max_error(q, k_stack, v_stack, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+def test_flat_page_list():
+    # Each request's pages, compacted: no padded [B, pages] row reaches the kernel.
+    _, _, _, meta = make_case(0, 2, 2, [1, 0, 2 * PAGE + 1], [1, 0, 1], dtype=jnp.float32)
+    pages, cu_pages, cu_q, kv_lens, num_seqs = kernel_inputs(meta)
+    table = np.asarray(meta.block_table)
+    assert list(np.asarray(cu_pages)) == [0, 1, 1, 4] and list(np.asarray(cu_q)) == [0, 1, 1, 2]
+    assert list(np.asarray(pages)[:4]) == [table[0, 0], *table[2, :3]]
+    assert list(np.asarray(kv_lens)) == [1, 0, 2 * PAGE + 1] and int(num_seqs[0]) == 3
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+def test_lowers_for_tpu(kind, monkeypatch):
+    # Llama-3-8B attention shapes (32 query heads over 8 KV heads, head_dim 128), bf16 pages of 16.
+    monkeypatch.setitem(lowering.TARGET_KINDS, "tpu", (kind, 1, "tpu"))
+    tokens, pages, batch = 64, 512, 8
+    s = jax.ShapeDtypeStruct
+    args = (s((tokens, 32, 128), jnp.bfloat16), s((8, pages, 16, 128), jnp.bfloat16),
+            s((8, pages, 16, 128), jnp.bfloat16), s((batch * 64,), jnp.int32), s((batch + 1,), jnp.int32),
+            s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32))
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
+    text = lowering.lower_for(fn, *args, platform="tpu").as_text()
+    assert text.count("tpu_custom_call") == 1
+    assert "jsgl_ragged_paged_attention" in text
+
+
+def test_int8_lowers_for_tpu():
+    # The 8-bit format's kernel (int8 pages + per-token scales, four DMA streams) lowers too.
+    tokens, pages, batch = 64, 512, 8
+    s = jax.ShapeDtypeStruct
+    values, scales = s((8, pages, 16, 128), jnp.int8), s((8, pages, 16), jnp.float32)
+    args = (s((tokens, 32, 128), jnp.bfloat16), values, values, s((batch * 64,), jnp.int32),
+            s((batch + 1,), jnp.int32), s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32),
+            scales, scales)
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
+    assert lowering.lower_for(fn, *args, platform="tpu").as_text().count("tpu_custom_call") == 1
+
+
+def test_backend_by_name_on_tpu_and_a_readable_error_elsewhere():
+    from jsgl.engine.backends import resolve_backends
+
+    # auto stays native on a TPU until the kernel has compiled and run on one; by name it is the kernel.
+    assert resolve_backends(platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention == "native"
+    assert resolve_backends("tpu", platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention \
+        == "tpu"
+    with pytest.raises(ValueError, match="the Mosaic kernel for TPUs; this platform is 'cpu'"):
+        resolve_backends("tpu", platform="cpu")
+
+
+def test_backend_interprets_here_and_lowers_mosaic_for_tpu():
+    # The registered backend chooses per lowering platform: interpreted on this CPU, Mosaic when lowered for TPU.
+    backend = get_attention_backend("tpu")
+    q, k, v, meta = make_case(3, 8, 2, *CASES["mixed"][:2], dtype=jnp.bfloat16)
+    fn = jax.jit(functools.partial(backend, scale=SCALE))
+    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, SCALE)
+    owned = np.asarray(meta.positions) >= 0
+    err = np.abs(np.asarray(fn(q, k, v, meta), np.float32) - np.asarray(ref, np.float32))[owned].max()
+    assert err < TOLERANCE[jnp.bfloat16]
+    text = lowering.lower_for(fn, q, k, v, meta, platform="tpu").as_text()
+    assert text.count("tpu_custom_call") == 1
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("name", ["decode", "extend"])
+def test_engine_step_lowers_for_tpu_with_the_kernel_and_pools_in_place(name, scanned):
+    """The whole jitted step of a Llama-3-8B-shaped model (abstract weights, bf16, pages of 16) lowered for TPU
+    v5e with attention_backend='tpu': the Mosaic kernel called once a layer (once in the scanned loop's body),
+    and every pool (64 unrolled, the two stacks scanned) donated."""
+    import re
+
+    from jsgl.engine.model_runner import _step
+    from jsgl.engine.step_inputs import StepLayout
+    from jsgl.model.config import LLAMA3_8B, ModelConfig
+    from jsgl.model.llama import param_shapes
+
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    layout = {"decode": StepLayout(8, 8, 1, 512, 16), "extend": StepLayout(256, 8, 64, 512, 16)}[name]
+    layers = (cfg.num_layers,) if scanned else ()
+    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, *layers, 4096, cfg.head_dim), jnp.bfloat16)
+    kv = (pool, pool) if scanned else ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
+    step = jax.jit(functools.partial(_step, layout=layout, config=cfg, attention_backend="tpu", prompt_top_k=-1,
+                                     tp=None), donate_argnums=(1,))
+    args = (param_shapes(cfg, jnp.bfloat16, scanned), kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
+            jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
+    text = lowering.lower_for(step, *args, platform="tpu").as_text()
+    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
+    assert text.count("custom_call @tpu_custom_call") == 1  # the kernel's function, called from each layer
+    assert len(re.findall(r"call @ragged_paged_attention\(", text)) == (1 if scanned else cfg.num_layers)
+    assert len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main)) == (2 if scanned else 64)
