@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from jsgl.server.launch import free_port
 
 # A batch of different lengths: the long one (> chunked_prefill_size; all fit one attended-length bucket, 64, so
 # few step shapes compile) is prefilled in chunks while the short ones decode, so extend and decode steps both
@@ -125,22 +126,27 @@ def channel_main(rank: int, port: int, out: str) -> None:
         channel.keepalive()
         channel.send_control(multihost.RESET_KV)
         os._exit(0)  # gone without a stop message
+    def neutral(kind: str, num_b: int) -> tuple:  # the receiver's own neutral row, where rank 0 sent none
+        return ("neutral", kind, num_b)
+
     same = []
     for sent in messages:
-        got = channel.receive()
+        got = channel.receive(neutral)
         assert isinstance(got, multihost.StepMessage)
         pairs = [(sent.step.packed.ints, got.step.packed.ints), (sent.step.packed.sampling, got.step.packed.sampling)]
         pairs += [(a, b) for a, b in zip(sent.step.vocab_rows, got.step.vocab_rows) if a is not None]
         same.append(all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in pairs)
                     and got.step.layout == sent.step.layout and (got.prompt_k, got.after) == (sent.prompt_k, sent.after)
                     and got.step.plain_greedy == sent.step.plain_greedy
-                    and [r is None for r in got.step.vocab_rows] == [r is None for r in sent.step.vocab_rows])
-    controls = [channel.receive(), channel.receive()]
+                    and [isinstance(b, tuple) and b == neutral(kind, sent.step.layout.num_b) for kind, a, b in
+                         zip(multihost.VOCAB_ROWS, sent.step.vocab_rows, got.step.vocab_rows) if a is None]
+                    == [True] * sum(r is None for r in sent.step.vocab_rows))
+    controls = [channel.receive(neutral), channel.receive(neutral)]
     Path(out).write_text(json.dumps({"same": same, "controls": controls == [multihost.KEEPALIVE, multihost.RESET_KV]}))
     # Rank 0 is gone: this receive fails at once (gloo's connection is closed), unless jax's coordination service,
     # which lived in rank 0, ends this process first.
     try:
-        channel.receive()
+        channel.receive(neutral)
     except multihost.PeerLostError as exc:
         Path(out + ".error").write_text(str(exc))
         raise
@@ -153,18 +159,12 @@ def _env(devices: int) -> dict[str, str]:
                 XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ != "__main__":
     import pytest
 
 
     def test_channel_carries_steps_bit_for_bit_and_a_dead_rank0_fails_the_follower(tmp_path: Path) -> None:
-        out, port = tmp_path / "channel.json", _free_port()
+        out, port = tmp_path / "channel.json", free_port()
         procs = [subprocess.Popen([sys.executable, __file__, "channel", str(r), str(port), str(out)], env=_env(1),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
         try:
@@ -189,7 +189,7 @@ if __name__ != "__main__":
     @pytest.fixture(scope="module")
     def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp = tmp_path_factory.mktemp("multihost")
-        out, port = tmp / "rank0.json", _free_port()
+        out, port = tmp / "rank0.json", free_port()
         start = time.perf_counter()
         # The reference beside the pair: most of either is compiling, one core each.
         ref = subprocess.Popen([sys.executable, __file__, "reference", str(tmp / "ref.json")], env=_env(2),

@@ -62,10 +62,7 @@ class Engine:
             multihost.initialize(cfg.dist_init_addr, cfg.nnodes, cfg.node_rank, cfg.dist_timeout)
             # Every process must run the same programs: nothing runs a step but rank 0's broadcasts (no padding runs
             # of a precompile), and each process places its own shards from the model (no orbax checkpoint of them).
-            cfg = dataclasses.replace(cfg, precompile="off", weights_cache="off")
-            if cfg.tp != jax.device_count():  # each process must hold shards, and the mesh is every device
-                raise ValueError(f"tp={cfg.tp}: an engine over {cfg.nnodes} processes spans all their devices, "
-                                 f"{jax.device_count()} (tp = devices per node x nnodes)")
+            cfg = dataclasses.replace(cfg, precompile="off", weights_cache="off")  # (tp: checked by make_mesh)
         # The platform's defaults fill what was left unset, so `config` reads as what runs (page size, pool).
         self.platform = current_platform(cfg.device)
         defaults = resolve_defaults(self.platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,

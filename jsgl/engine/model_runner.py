@@ -23,7 +23,7 @@ import numpy as np
 
 from jsgl.engine.backends import Backends, resolve_backends
 from jsgl.engine.kv_pool import allocate_pool
-from jsgl.engine.multihost import RESET_KV, VOCAB_ROWS, StepChannel, StepMessage
+from jsgl.engine.multihost import RESET_KV, StepChannel, StepMessage
 from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.sampler import argmax, sample, stage_flags
 from jsgl.engine.step_inputs import ForwardItem, StepLayout, new_packed, pack_step, unpack_forward, unpack_sampling
@@ -293,9 +293,7 @@ class ModelRunner:
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=message.prompt_k)
         if not step.plain_greedy:  # queued behind the forward on the device; its tokens replace the forward's zeros
-            rows = [self._neutral(kind, layout.num_b) if row is None else row
-                    for kind, row in zip(VOCAB_ROWS, step.vocab_rows)]  # None: a received neutral row
-            out = {**out, **self._sample(out["logits"], step.packed.sampling, *rows,
+            out = {**out, **self._sample(out["logits"], step.packed.sampling, *step.vocab_rows,
                                          top_logprobs=self.max_top_logprobs)}
         self._last_tokens = out["tokens"]
         return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -97,8 +98,9 @@ class StepChannel:
     def send_control(self, kind: int) -> None:
         self._broadcast(np.array([kind] + [0] * (len(HEADER) - 1), np.int32))
 
-    def receive(self) -> StepMessage | int:
-        """The next step, or a control kind (``STOP``, ``RESET_KV``, ``KEEPALIVE``)."""
+    def receive(self, neutral: Callable[[str, int], Any]) -> StepMessage | int:
+        """The next step, or a control kind (``STOP``, ``RESET_KV``, ``KEEPALIVE``). ``neutral(kind, num_b)``: the
+        receiver's own neutral vocabulary row, where rank 0 sent none (``ModelRunner._neutral``)."""
         header = dict(zip(HEADER, (int(x) for x in self._broadcast(np.zeros(len(HEADER), np.int32)))))
         if header["kind"] != STEP:
             return header["kind"]
@@ -109,8 +111,8 @@ class StepChannel:
         like += [np.zeros((layout.num_b, self.vocab_widths[kind]), np.int32) for kind in vocab]
         ints, sampling, *rows = self._broadcast(like)
         received = dict(zip(vocab, rows))
-        vocab_rows = tuple(received[kind].view(_VOCAB_DTYPES[kind]) if kind in received else None
-                           for kind in VOCAB_ROWS)
+        vocab_rows = tuple(received[kind].view(_VOCAB_DTYPES[kind]) if kind in received
+                           else neutral(kind, layout.num_b) for kind in VOCAB_ROWS)
         step = Step(layout, PackedStep(ints, sampling), vocab_rows, bool(header["plain_greedy"]), [])
         return StepMessage(step, header["prompt_k"], bool(header["after"]))
 
@@ -142,7 +144,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> None:
     log.info("process %d follows rank 0's steps", jax.process_index())
     steps = 0
     while True:
-        message = channel.receive()
+        message = channel.receive(runner._neutral)
         if message == STOP:
             log.info("process %d: rank 0 stopped after %d steps", jax.process_index(), steps)
             return

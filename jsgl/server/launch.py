@@ -44,6 +44,26 @@ def wait_for_health(url: str, timeout: float, alive: Any = None) -> None:
     raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f}s")
 
 
+def log_tail(path: str, chars: int = 4000) -> str:
+    """The end of a child's log file ("" if it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, and SIGKILL if it has not exited within ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class ServerProcess:
     """A server in a child process. Pass it as `backend=` (or use `.endpoint`) to run DSL programs."""
 
@@ -61,11 +81,7 @@ class ServerProcess:
         return self._endpoint
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -73,13 +89,7 @@ class ServerProcess:
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._endpoint is not None:
             self._endpoint.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, timeout)
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import httpx
 
-from jsgl.server.launch import free_port
+from jsgl.server.launch import free_port, log_tail, stop_process
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
 MISSING_EXTRA = 'jsgl --dp needs Ray and sglang-router: pip install "jsgl[distributed]"'
@@ -102,14 +102,7 @@ class RouterProcess:
         raise TimeoutError(f"the router did not {what} within {timeout:.0f} s; log:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-chars:]
+        return log_tail(self.log.name, chars)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+        stop_process(self.proc, timeout)
