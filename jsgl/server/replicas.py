@@ -7,7 +7,7 @@
 Ray places and restarts the replicas: each actor loads an engine and serves it with uvicorn on its own port
 (`max_restarts=-1`: a dead actor comes back on the same port). `sglang-router` (a subprocess) routes to them.
 A supervision thread health-checks every replica: once one that was down is healthy again, the router is told
-(re-registration; under cache_aware, a restart of the router on its port, router_process.py says why), and one
+(re-registration), and one
 that hangs (no answer for `hang_restart_s`) is killed so that Ray restarts it. `--ray-address` joins an
 existing cluster; otherwise a local one is started (and stopped with the replicas).
 """
@@ -191,10 +191,8 @@ class Replicas:
         if state == "ok":
             if replica.down:
                 assert self.router is not None
-                if self.policy == "cache_aware":  # router_process.py: re-registration leaves it out of the tree
-                    self.router.restart(replica.url)
-                else:
-                    self.router.reregister(replica.url)
+                # A new worker entry: none of its old tree entries (its cache is empty now) or load counts
+                self.router.reregister(replica.url)
                 replica.down, replica.restarts = False, replica.restarts + 1
                 log.warning("replica %d at %s is back and registered with the router again", replica.index,
                             replica.url)

@@ -6,9 +6,13 @@
     router.stop()
 
 `reregister(url)` takes a worker out of the router and puts it back (`replicas.py` calls it after a replica
-restarted). Under cache_aware that was not enough after a kill under load (no request reached the replica:
-0.3.2 drops a worker from its tree when a request picks it while it is gone, and re-adding it seems not to put it
-back); `restart(url)` starts the router anew on its port, its tree holding every worker.
+restarted): the router then holds a new entry for it, with an empty prefix tree (as the replica's cache is) and no
+in-flight count left from requests it lost. Under cache_aware (0.3.2, `src/policies/cache_aware.rs`) a request
+whose text matches more than `cache_threshold` (0.3) of a worker's tree goes to that worker; any other goes to the
+worker with the fewest requests in flight, ties to the first in the router's worker order (a map keyed by random
+worker ids: fixed for one registration, random across them). So requests sent one at a time to an idle router
+with no shared prefix all go to one replica, restarted or not; concurrent ones spread over both
+(docs/serving.md, faults).
 """
 
 from __future__ import annotations
@@ -56,16 +60,7 @@ class RouterProcess:
                "--health-failure-threshold", "2", "--health-success-threshold", "1",
                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
                "--disable-circuit-breaker"]
-        self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def restart(self, url: str, timeout: float = 120.0) -> None:
-        """Stop the router and start it again on its port, until `url` is among its healthy workers: its
-        cache_aware policy builds its tree's tenants from the workers it starts with (requests in flight through
-        it meanwhile get a connection error)."""
-        self.stop(timeout=2.0)  # not its 180 s grace for requests in flight: the router is down meanwhile
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"restart with {url}")
 
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
