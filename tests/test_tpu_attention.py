@@ -197,7 +197,8 @@ def test_backend_interprets_here_and_lowers_mosaic_for_tpu():
 TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
 # Each generation's default blocks at pages of 16: 32 tokens x 128 keys (v5e's MXU), 32 x 256 (v6e's).
 KERNEL_BLOCKS = {"v5e": "bq32_kv8x16", "v6e": "bq32_kv16x16"}
-STEP_LAYOUTS = {"decode": StepLayout(8, 8, 1, 512, 16), "extend": StepLayout(256, 8, 64, 512, 16)}
+# Length-free steps (the backend's signature is tokens and requests) over a table of 8k positions: pages of 16.
+STEP_LAYOUTS = {"decode": StepLayout(8, 8, 1, 8192, 16), "extend": StepLayout(256, 8, 256, 8192, 16)}
 
 
 def tpu_step(name: str, generation: str, *, tp: int = 1, scanned: bool = False, kv_dtype=jnp.bfloat16,
