@@ -1,5 +1,6 @@
 """The TPU ragged paged-attention kernel (jsgl.kernels.tpu_attention) vs the pure-JAX reference, in Pallas TPU
-interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine.
+interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine: alone, and in the whole engine
+step at tp=1 and tp=4; and an engine serving SmolLM2 through the interpreted kernel.
 
 Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
 long one; GQA ratios 1, 4 and 8; bfloat16, the 8-bit format and float32. Small query and KV blocks so sequences
