@@ -8,7 +8,6 @@ Running the Triton kernels needs a GPU: `jsgl bench device` on the day one is le
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -18,55 +17,20 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from step_lowering import donated, lowered_step, partitions
 
-from jsgl.engine.model_runner import _sample_step, _step
+from jsgl.engine.model_runner import _sample_step
 from jsgl.engine.step_inputs import StepLayout, sampling_size
 from jsgl.kernels.lowering import lower_for
 from jsgl.model.config import LLAMA3_8B, ModelConfig
 from jsgl.model.llama import param_shapes
 
-NUM_SLOTS = 4096
-
-
-def lowered_step(layout: StepLayout, platform: str, tp: int = 1, dtype=jnp.float32, kv_dtype=None,
-                 scanned: bool = False) -> str:
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jsgl.model.sharding import TensorParallel
-
-    cfg = ModelConfig.from_hf(LLAMA3_8B)
-    parallel = TensorParallel.create(cfg, tp) if tp > 1 else None
-    forward = parallel.config if parallel else cfg  # heads and MLP padded to whole groups per shard
-    params = param_shapes(forward, dtype, scanned)
-    sharding = lambda *spec: NamedSharding(parallel.mesh, PartitionSpec(*spec)) if parallel else None  # noqa: E731
-    # A layer's pool [Hkv, N, D], or a scanned model's stack of every layer's [Hkv, L, N, D]
-    layers = (cfg.num_layers,) if scanned else ()
-    pool = jax.ShapeDtypeStruct((forward.num_kv_heads, *layers, NUM_SLOTS, cfg.head_dim), kv_dtype or dtype,
-                                sharding=sharding("tp", *(None,) * (2 + len(layers))))
-    if kv_dtype == jnp.int8:  # the 8-bit format: int8 rows and a float32 scale per token and head
-        from jsgl.kernels.kv_quant import Int8Pool
-
-        pool = Int8Pool(pool, jax.ShapeDtypeStruct(pool.shape[:-1], jnp.float32,
-                                                   sharding=sharding("tp", *(None,) * (1 + len(layers)))))
-    if parallel:  # each weight carries the NamedSharding the runner would place it with
-        params = jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                   sharding=NamedSharding(parallel.mesh, spec)),
-                              params, parallel.param_specs(params), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    kv = (pool, pool) if scanned else ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
-    b = layout.num_b
-    step = jax.jit(functools.partial(_step, layout=layout, config=forward, attention_backend="pallas", prompt_top_k=-1,
-                                     tp=parallel), donate_argnums=(1,))
-    args = (params, kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
-    return lower_for(step, *args, platform=platform, mesh=parallel.mesh if parallel else None).as_text()
-
 
 def summary(text: str) -> dict:
     """Triton kernel calls, CPU FFI calls, donated arguments of main, and partitions of a lowered step."""
-    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
     return {"triton": len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(", text)),
             "cpu_ffi": len(re.findall(r"custom_call @jsgl_", text)),
-            "donated": len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main)),
-            "partitions": int(re.search(r"mhlo\.num_partitions = (\d+)", text)[1])}
+            "donated": donated(text), "partitions": partitions(text)}
 
 
 LAYOUTS = {"decode": StepLayout(8, 8, 1, 512), "extend": StepLayout(256, 8, 64, 512)}

@@ -122,19 +122,23 @@ def test_pallas_extends_are_not_held_back_by_the_score_budget():
     assert sizes["pallas"] == 0 and sizes["native"] >= 8 * 128 * 8192 * config.num_heads * 4
 
 
-def test_the_gpu_plan_is_length_free_and_lists_extends():
-    """The Pallas kernels read lengths at run time: a step's signature is (tokens, requests), decode at one
-    length (not one per length bucket: 8 at 8k, 12 at 128k) and the extends planned too, as on the CPU."""
+@pytest.mark.parametrize("attention,platform", [("pallas", "gpu"), ("tpu", "tpu")])
+def test_the_accelerator_plans_are_length_free_and_list_extends(attention, platform):
+    """The Pallas (GPU) and Mosaic (TPU) kernels read lengths at run time: a step's signature is (tokens,
+    requests), decode at one length (not one per length bucket: 8 at 8k, 12 at 128k) and the extends planned too,
+    as on the CPU."""
     from jsgl.experiments.bench_device_steps import TINY, random_params
 
+    from jsgl.engine.backends import resolve_backends
     from jsgl.engine.model_runner import ModelRunner
 
     config = ModelConfig.from_hf({**TINY, "max_position_embeddings": 131072})
     params = random_params(config, np.dtype("float32"))
+    # Resolved for the accelerator (on this CPU a runner resolves for the CPU, which refuses the TPU kernel).
+    backends = resolve_backends(attention, "xla", platform=platform, page_size=16, layers="unrolled")
     counts = {}
     for context in (8192, 131072):
-        runner = ModelRunner(config, params, context + 64, attention_backend="pallas", matmul_backend="xla",
-                             max_context=context, page_size=16)
+        runner = ModelRunner(config, params, context + 64, backends=backends, max_context=context, page_size=16)
         assert runner.length_free and runner.table_width == context
         plan = runner.planned_signatures("common", 64, 512)
         decode = [s for s in plan if s[2] == 1 and s[0] == s[1]]

@@ -1,5 +1,6 @@
 """The TPU ragged paged-attention kernel (jsgl.kernels.tpu_attention) vs the pure-JAX reference, in Pallas TPU
-interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine.
+interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine: alone, and in the whole engine
+step at tp=1 and tp=4; and an engine serving SmolLM2 through the interpreted kernel.
 
 Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
 long one; GQA ratios 1, 4 and 8; bfloat16, the 8-bit format and float32. Small query and KV blocks so sequences
@@ -9,12 +10,19 @@ straddle query blocks and take several double-buffered KV blocks.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from step_lowering import donated, lowered_step, partitions, pool_gathers
 
+from jsgl.engine.step_inputs import StepLayout
 from jsgl.kernels import kv_quant, lowering
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
 from jsgl.kernels.kv_quant import Int8Pool, LayerPool
@@ -187,30 +195,106 @@ def test_backend_interprets_here_and_lowers_mosaic_for_tpu():
     assert text.count("tpu_custom_call") == 1
 
 
+TPU_KINDS = {"v5e": "TPU v5 lite", "v6e": "TPU v6 lite"}
+# Each generation's default blocks at pages of 16: 32 tokens x 128 keys (v5e's MXU), 32 x 256 (v6e's).
+KERNEL_BLOCKS = {"v5e": "bq32_kv8x16", "v6e": "bq32_kv16x16"}
+# Length-free steps (the backend's signature is tokens and requests) over a table of 8k positions: pages of 16.
+STEP_LAYOUTS = {"decode": StepLayout(8, 8, 1, 8192, 16), "extend": StepLayout(256, 8, 256, 8192, 16)}
+
+
+def tpu_step(name: str, generation: str, *, tp: int = 1, scanned: bool = False, kv_dtype=jnp.bfloat16,
+             attention: str = "tpu") -> dict:
+    """What matters in the whole step of a Llama-3-8B-shaped model (abstract bf16 weights, pages of 16) lowered
+    for a TPU generation: Mosaic kernels (defined, called, their block sizes and query heads per call), donated
+    pools, gathers out of a pool, partitions."""
+    from unittest import mock
+
+    with mock.patch.dict(lowering.TARGET_KINDS, {"tpu": (TPU_KINDS[generation], 1, "tpu")}):
+        text = lowered_step(STEP_LAYOUTS[name], "tpu", tp=tp, dtype=jnp.bfloat16, kv_dtype=kv_dtype, scanned=scanned,
+                            attention=attention)
+    kernel_q = re.findall(r"func\.func private @ragged_paged_attention\(%arg0: tensor<\d+x(\d+)x128x", text)
+    return {"mosaic": text.count("custom_call @tpu_custom_call"),
+            "kernel_calls": len(re.findall(r"call @ragged_paged_attention\(", text)),
+            "blocks": sorted(set(re.findall(r"jsgl_ragged_paged_attention_(\w+)", text))),
+            "q_heads": sorted({int(h) for h in kernel_q}), "donated": donated(text),
+            "pool_gathers": pool_gathers(text), "partitions": partitions(text)}
+
+
+def expected_step(generation: str, *, tp: int = 1, scanned: bool = False, int8: bool = False) -> dict:
+    """The kernel once a layer (once in the scanned loop's body) on each shard's 32 / tp query heads, every pool
+    donated (64 unrolled, the two stacks scanned; twice that with the 8-bit format's scales), no pool gathered."""
+    pools = (2 if scanned else 64) * (2 if int8 else 1)
+    return {"mosaic": 1, "kernel_calls": 1 if scanned else 32, "blocks": [KERNEL_BLOCKS[generation]],
+            "q_heads": [32 // tp], "donated": pools, "pool_gathers": 0, "partitions": tp}
+
+
 @pytest.mark.parametrize("scanned", [False, True])
-@pytest.mark.parametrize("name", ["decode", "extend"])
-def test_engine_step_lowers_for_tpu_with_the_kernel_and_pools_in_place(name, scanned):
-    """The whole jitted step of a Llama-3-8B-shaped model (abstract weights, bf16, pages of 16) lowered for TPU
-    v5e with attention_backend='tpu': the Mosaic kernel called once a layer (once in the scanned loop's body),
-    and every pool (64 unrolled, the two stacks scanned) donated."""
-    import re
+@pytest.mark.parametrize("name", sorted(STEP_LAYOUTS))
+@pytest.mark.parametrize("generation", sorted(TPU_KINDS))
+def test_engine_step_lowers_for_tpu_with_the_kernel_and_pools_in_place(generation, name, scanned):
+    assert tpu_step(name, generation, scanned=scanned) == expected_step(generation, scanned=scanned)
 
-    from jsgl.engine.model_runner import _step
-    from jsgl.engine.step_inputs import StepLayout
-    from jsgl.model.config import LLAMA3_8B, ModelConfig
-    from jsgl.model.llama import param_shapes
 
-    cfg = ModelConfig.from_hf(LLAMA3_8B)
-    layout = {"decode": StepLayout(8, 8, 1, 512, 16), "extend": StepLayout(256, 8, 64, 512, 16)}[name]
-    layers = (cfg.num_layers,) if scanned else ()
-    pool = jax.ShapeDtypeStruct((cfg.num_kv_heads, *layers, 4096, cfg.head_dim), jnp.bfloat16)
-    kv = (pool, pool) if scanned else ([pool] * cfg.num_layers, [pool] * cfg.num_layers)
-    step = jax.jit(functools.partial(_step, layout=layout, config=cfg, attention_backend="tpu", prompt_top_k=-1,
-                                     tp=None), donate_argnums=(1,))
-    args = (param_shapes(cfg, jnp.bfloat16, scanned), kv, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
-            jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
-    text = lowering.lower_for(step, *args, platform="tpu").as_text()
-    main = text[text.index("func.func public @main"):].split("\n", 1)[0]
-    assert text.count("custom_call @tpu_custom_call") == 1  # the kernel's function, called from each layer
-    assert len(re.findall(r"call @ragged_paged_attention\(", text)) == (1 if scanned else cfg.num_layers)
-    assert len(re.findall(r"tf\.aliasing_output|jax\.buffer_donor", main)) == (2 if scanned else 64)
+@pytest.mark.parametrize("scanned", [False, True])
+def test_int8_engine_step_lowers_for_tpu(scanned):
+    got = tpu_step("decode", "v5e", scanned=scanned, kv_dtype=jnp.int8)
+    assert got == expected_step("v5e", scanned=scanned, int8=True)
+
+
+def test_native_step_gathers_every_pool():
+    # What the kernel replaces (and what pool_gathers sees): the native path gathers K and V of each layer.
+    assert tpu_step("decode", "v5e", attention="native")["pool_gathers"] == 64
+
+
+TP4_CASES = [(generation, name, scanned) for generation in sorted(TPU_KINDS) for name in sorted(STEP_LAYOUTS)
+             for scanned in (False, True)]
+
+
+def test_tp4_engine_step_lowers_for_tpu_with_a_kernel_per_shard():
+    """At tp=4 (forced CPU devices, in a child: the device count is fixed when jax starts) the step is 4 partitions
+    and each layer's kernel runs inside the shard_map on its device's 8 query heads over 2 KV heads; the sharded
+    pools are still donated, for v5e and v6e, decode and extend, unrolled and scanned, and the 8-bit format."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for generation, name, scanned in TP4_CASES:
+        assert got[f"{generation} {name} {scanned}"] == expected_step(generation, tp=4, scanned=scanned)
+    assert got["int8"] == expected_step("v6e", tp=4, scanned=True, int8=True)
+
+
+if __name__ == "__main__":  # the tp=4 child
+    summaries = {f"{g} {n} {s}": tpu_step(n, g, tp=4, scanned=s) for g, n, s in TP4_CASES}
+    summaries["int8"] = tpu_step("decode", "v6e", tp=4, scanned=True, kv_dtype=jnp.int8)
+    print(json.dumps(summaries))
+
+
+# Over a page of 16 tokens, so the radix cache (whole pages) holds it for the second request's extend.
+SHARED_PREFIX = ("The following is a list of European countries and their capital cities, written out one per line in "
+                 "full sentences for a geography quiz.\nThe capital of France is")
+
+
+@pytest.mark.slow  # about 5 s a step: the interpreter runs each of the 30 layers' kernel programs in Python
+def test_engine_through_the_interpreted_kernel_gives_the_cpu_paths_greedy_tokens(engine, monkeypatch):
+    """SmolLM2-135M served with the backends a TPU resolves (the Mosaic kernel, scanned layers, XLA's matmuls) and
+    pages of 16, the kernel in the Pallas TPU interpreter on this CPU (tpu_paged_attention interprets wherever the
+    step is not lowered for a TPU): the default CPU engine's greedy tokens, for a prefill, decode batches of one and
+    two, and an extend over a cached prefix."""
+    from jsgl.engine import engine as engine_module
+    from jsgl.engine.backends import Backends, resolve_backends
+
+    monkeypatch.setattr(engine_module, "resolve_backends",
+                        lambda *args, **options: resolve_backends(*args, **{**options, "platform": "tpu"}))
+    tpu = engine_module.Engine(model="smollm2-135m", attention_backend="tpu", page_size=16, kv_cache_gb=0.05,
+                               max_running_requests=4, chunked_prefill_size=64, precompile="off", weights_cache="off")
+    try:
+        assert tpu.backends == Backends("tpu", "xla", 1, scanned=True)
+        greedy = {"max_new_tokens": 4, "temperature": 0.0}
+        prompts = [SHARED_PREFIX, SHARED_PREFIX + " Paris.\nThe capital of Germany is", "1, 2, 3, 4,"]
+        first = tpu.generate(prompts[0], greedy)
+        rest = tpu.generate(prompts[1:], greedy)  # one step extends the cached prefix beside a whole prefill
+        assert rest[0].cached_tokens >= 32 and rest[1].cached_tokens == 0
+        got = [out.token_ids for out in [first, *rest]]
+    finally:
+        tpu.shutdown()
+    assert got == [out.token_ids for out in engine.generate(prompts, greedy)]

@@ -37,8 +37,9 @@ class Backends:
 
     def length_free(self, config: ModelConfig) -> bool:
         """A step's signature drops the attended length and an extend's new tokens per request: the kernels read
-        lengths at run time (the CPU kernel when ragged; the Pallas kernels' loops stop at each request's length)."""
-        return self.ragged(config) or self.attention == "pallas"
+        lengths at run time (the CPU kernel when ragged; the Pallas and TPU kernels' loops stop at each request's
+        length)."""
+        return self.ragged(config) or self.attention in ("pallas", "tpu")
 
     def builds_scores(self, config: ModelConfig) -> bool:
         """Whether attention materializes a [heads, queries, keys] score array (the scheduler bounds its size):

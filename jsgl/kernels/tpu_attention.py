@@ -32,7 +32,9 @@ dots as they are and the scales multiply the scores (K) and the probabilities (V
 Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
 own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
 (issue #36): a head_dim padded to 128, prefetching across sequences (each sequence's first block is a pipeline
-bubble), writing the new K/V inside the kernel, the TPU pool layout, a length-free step signature, and tp > 1.
+bubble), writing the new K/V inside the kernel, the TPU pool layout, and a bound on the flat page list (below).
+Under tensor parallelism the runner calls it per shard (``TensorParallel.shard_attention``), checked by lowering at
+tp=4; the step's signature carries no attended length (``Backends.length_free``).
 """
 
 from __future__ import annotations
@@ -236,7 +238,8 @@ def ragged_paged_attention(
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-        name="jsgl_ragged_paged_attention",
+        # The block sizes in the name: which generation's defaults a lowered step took shows in its HLO.
+        name=f"jsgl_ragged_paged_attention_bq{block_q}_kv{pages_per_block}x{page_size}",
     )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq,
       jnp.reshape(layer, (1,)).astype(jnp.int32), qh, *pools)
     out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
@@ -248,7 +251,8 @@ def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Ar
 
     Assumes the runner's batch order (request ``b``'s tokens at ``q_start[b] = sum(q_len[:b])``; padding rows with
     ``q_len == 0`` anywhere). The flat page list is the table's rows compacted to ``cdiv(kv_len, page_size)`` pages
-    each (its static length stays ``B * pages``: a TPU runner would build it flat, issue #36 item 4).
+    each. Its static length stays the table's ``B * pages``, which a length-free step sets by the context (64
+    requests at 128k, pages of 16: 2 MiB of SMEM, unchecked against a TPU's); a bound is open (issue #36).
     """
     table, page = meta.block_table, meta.page_size
     batch, width = table.shape
