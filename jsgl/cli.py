@@ -55,6 +55,8 @@ ENGINE_HELP = {
     "precompile": "compile the step shapes: background (common's, in a thread while serving; a step waits only "
                   "for its own shape), common (decode and extend buckets, at start), all (also prompt-logprob "
                   "extends), off (each on first use)",
+    "executable_store": "save compiled step executables on disk and load them on the next start: auto (one "
+                        "process; with every planned shape stored, background precompile loads them at start), off",
     "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
                         "(on CPU only for small decode batches)",
     "seed": "seed of the sampling seeds drawn for requests that bring none",
@@ -92,6 +94,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": list(PRECOMPILE_MODES),
         "weights_cache": ["auto", "orbax", "off"],
+        "executable_store": ["auto", "off"],
         "dtype": ["auto", "bfloat16", "float16", "float32"],
         "kv_dtype": ["auto", "bfloat16", "float16", "float32", "int8"],  # memory.KV_DTYPES
     }

@@ -34,6 +34,7 @@ from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import CPU_OVERLAP_MAX_BATCH, OverlapScheduler
 from jsgl.engine.platform import current_platform, describe, resolve_defaults
+from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.request import GenerateOutput, InvalidRequestError, SamplingParams, new_request_id
 from jsgl.engine.sampling_params import expand_parallel_samples
 from jsgl.engine.scheduler import Scheduler
@@ -100,7 +101,8 @@ class Engine:
                                   backends=self.backends, kv_dtype=self.kv_dtype,
                                   weight_blocks=weight_blocks,
                                   max_context=self.max_context,
-                                  tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size)
+                                  tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size,
+                                  executable_store=cfg.executable_store != "off" and cfg.nnodes == 1)
         del params
         self.platform_report = describe(self.platform, dtype=self.dtype.name, kv_dtype=self.kv_dtype.name,
                                         attention_backend=self.backends.attention,
@@ -150,21 +152,36 @@ class Engine:
 
     def _precompile(self) -> float:
         """Compile the planned step shapes (``EngineConfig.precompile``): before the first request, or start doing
-        so in the background. Returns the seconds spent here."""
+        so in the background; in the background's place, load them before the first request where the executable
+        store holds them all (a few seconds). Returns the seconds spent here."""
         cfg = self.config
         mode = "common" if cfg.precompile == "background" else cfg.precompile
         plan = self.runner.planned_signatures(mode, cfg.max_running_requests, cfg.chunked_prefill_size,
                                               cfg.mixed_prefill_tokens)
         if not plan:
             return 0.0
-        if cfg.precompile == "background":
-            self.runner.compiler.start_background(plan, then=self.constraints.backend.warm)
+        runner = self.runner
+        if cfg.precompile == "background" and not runner.stored(plan):
+            runner.compiler.start_background(plan, then=self.constraints.backend.warm)
             return 0.0
         t0 = time.perf_counter()
-        self.runner.compiler.compile_all(plan)
+        try:
+            runner.compiler.compile_all(plan)
+        except Exception:
+            if runner.store is None or not runner.store.loaded:
+                raise
+            # A stored executable that does not run (XLA's serialization has had gaps): compile without the store.
+            log.exception("a stored step executable failed to run; removing %s and compiling", runner.store.directory)
+            runner.store.forget()
+            runner.store, runner.compiler = None, StepCompiler(runner)
+            if not runner.kv_intact():
+                runner.reset_kv()
+            runner.compiler.compile_all(plan)
         self.constraints.backend.warm()
         seconds = time.perf_counter() - t0
-        log.info("precompiled %d step shapes (%s) in %.1f s", len(plan), cfg.precompile, seconds)
+        loaded = runner.store.loaded if runner.store is not None else 0
+        log.info("precompiled %d step shapes (%s, %d of them loaded from the executable store) in %.1f s", len(plan),
+                 cfg.precompile, loaded, seconds)
         return seconds
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
@@ -332,7 +349,8 @@ class Engine:
         compiler = self.runner.compiler
         return {"compiles": compiler.compiles, "compiled_at_start": compiler.counts["start"],
                 "compiled_in_background": compiler.counts["background"], "background_compile_s": compiler.background_s,
-                "compiled_on_request_path": compiler.counts["request"], "unplanned_compiles": compiler.unplanned}
+                "compiled_on_request_path": compiler.counts["request"], "unplanned_compiles": compiler.unplanned,
+                "loaded_from_store": self.runner.store.loaded if self.runner.store is not None else 0}
 
     def idle(self) -> bool:
         """Nothing queued or running (read from another thread: a hint for tests and benchmarks)."""

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsgl.engine.backends import Backends, resolve_backends
+from jsgl.engine.executable_store import ExecutableStore, abstract
 from jsgl.engine.kv_pool import allocate_pool
 from jsgl.engine.multihost import RESET_KV, StepChannel, StepMessage
 from jsgl.engine.precompiler import StepCompiler
@@ -97,6 +98,11 @@ class PendingStep:
         return result
 
 
+def step_name(signature: tuple) -> str:
+    """A step signature as a file name in the executable store."""
+    return "step_" + "_".join(str(n) for n in signature)
+
+
 def enable_compilation_cache() -> None:
     path = os.environ.get("JSGL_JAX_CACHE", str(cache_dir() / "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
@@ -145,7 +151,8 @@ class ModelRunner:
                  attention_backend: str = "auto", matmul_backend: str = "auto", weight_blocks: Any = None,
                  max_context: int | None = None, kv_sharding: Any | None = None, tp: int = 1,
                  max_top_logprobs: int = 20, kv_dtype: Any = jnp.float32, params_placed: bool = False,
-                 page_size: int = 1, backends: Backends | None = None, layers: str = "auto"):
+                 page_size: int = 1, backends: Backends | None = None, layers: str = "auto",
+                 executable_store: bool = False):
         """``params``: host arrays, placed here (sharded under ``tp``), or with ``params_placed`` already on their
         devices and shards (the engine's loader puts them there tensor by tensor)."""
         self.config = config
@@ -183,6 +190,10 @@ class ModelRunner:
         # The pool as a step's compile sees it (shape and placement), so compiling needs no live pool.
         self._kv_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv)
         self.compiler = StepCompiler(self)
+        # Compiled steps kept on disk, under a fingerprint of everything a step is compiled against.
+        self.store = ExecutableStore(repr(self.forward_config), repr(self.backends), str(self.kv_dtype),
+                                     self.page_size, num_slots, self.table_width, max_top_logprobs,
+                                     abstract(self.params), abstract(self._kv_spec)) if executable_store else None
         self._defaults: dict[tuple[str, int], jax.Array] = {}  # neutral mask/bias/scale per batch bucket
         self._last_tokens: jax.Array | None = None  # the last step's tokens: an overlapped step's inputs
         self.channel: StepChannel | None = None  # rank 0 of a multi-process engine: where each step is sent
@@ -326,11 +337,20 @@ class ModelRunner:
 
     def compile_step(self, signature: tuple) -> Any:
         """Compile the step for ``signature`` ahead of use (any thread: the pool enters as its shape and placement,
-        so a step running meanwhile may donate it). XLA's persistent cache makes a restart's compiles loads."""
+        so a step running meanwhile may donate it). The executable store, or else XLA's persistent cache, makes a
+        restart's compiles loads."""
+        name = step_name(signature)
+        if self.store is not None and (compiled := self.store.load(name)) is not None:
+            return compiled
         layout = StepLayout(*signature[:4], self.page_size)
         args = (self.params, self._kv_spec, jax.ShapeDtypeStruct((layout.num_ints,), jnp.int32),
                 jax.ShapeDtypeStruct((layout.num_b,), jnp.int32))
-        return self._step.lower(*args, layout=layout, prompt_top_k=signature[4]).compile()
+        lowered = self._step.lower(*args, layout=layout, prompt_top_k=signature[4])
+        return self.store.compile(lowered, name) if self.store is not None else lowered.compile()
+
+    def stored(self, plan: list[tuple]) -> bool:
+        """Whether the executable store holds every step of ``plan``."""
+        return self.store is not None and self.store.holds([step_name(signature) for signature in plan])
 
     def run_padding(self, signature: tuple, compiled: Any) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0; engine thread only, as it

@@ -61,7 +61,8 @@ _lock = threading.Lock()
 _status: dict[str, object] = {}
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
+    """The host CPU (model name and flags): what code built for this CPU depends on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -74,7 +75,7 @@ def hardware_supported() -> bool:
     for tests that must fail, not skip, where the kernels should build."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    flags = set(" ".join(ln for ln in _cpu_signature().splitlines() if ln.startswith("flags")).split())
+    flags = set(" ".join(ln for ln in cpu_signature().splitlines() if ln.startswith("flags")).split())
     return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
@@ -85,7 +86,7 @@ def _compile() -> Path:
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
              f"-I{jax.ffi.include_dir()}"]
     key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES), " ".join([cxx, *flags]).encode(),
-                                     _cpu_signature().encode(), jax.__version__.encode()])).hexdigest()[:16]
+                                     cpu_signature().encode(), jax.__version__.encode()])).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"jsgl_cpu_{key}.so"
     if out.exists():
         return out

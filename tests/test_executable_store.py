@@ -1,0 +1,80 @@
+"""The executable store: compiled steps saved under a fingerprint of what they were compiled against and loaded on
+the next start; an engine whose planned steps are all stored loads them before its first request and serves the
+same greedy tokens without compiling."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsgl.engine import executable_store
+from jsgl.engine.executable_store import ExecutableStore, prune
+
+
+@pytest.fixture
+def store_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(executable_store, "cache_dir", lambda: tmp_path)
+    return tmp_path / "executables"
+
+
+def _lowered(n: int):
+    return jax.jit(lambda x: jnp.cumsum(x * 3.0) + 1.0).lower(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+
+def test_a_stored_executable_loads_and_computes_as_compiled(store_root):
+    x = jnp.arange(16, dtype=jnp.float32)
+    compiled = ExecutableStore("config-a").compile(_lowered(16), "f16")
+    again = ExecutableStore("config-a")
+    assert again.holds(["f16"]) and not again.holds(["f16", "f32"])
+    loaded = again.load("f16")
+    assert loaded is not None and again.loaded == 1
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(compiled(x)))
+
+
+def test_another_fingerprint_holds_nothing_and_a_broken_file_is_compiled_again(store_root):
+    first = ExecutableStore("config-a")
+    first.compile(_lowered(8), "f8")
+    other = ExecutableStore("config-b")
+    assert other.directory != first.directory and other.load("f8") is None
+    (first.directory / "f8.bin").write_bytes(b"not an executable")
+    assert ExecutableStore("config-a").load("f8") is None
+
+
+def test_prune_removes_the_least_recently_used_fingerprints(tmp_path):
+    for i, name in enumerate(["old", "middle", "new"]):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "step.bin").write_bytes(b"x" * 1000)
+        os.utime(directory, (1000 + i, 1000 + i))
+    prune(tmp_path, keep=tmp_path / "old", max_bytes=2000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "old"]  # kept: in use, and the most recent
+
+
+@pytest.mark.slow
+def test_an_engine_loads_its_stored_plan_at_start_and_serves_the_same_tokens(store_root):
+    from jsgl.engine.engine import Engine
+    from jsgl.engine.request import SamplingParams
+
+    options = dict(max_running_requests=2, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="auto")
+    prompts = ["The capital of France is", "Count: one, two,", "A list of fruits: apple,"]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    first = Engine(precompile="common", **options)
+    try:
+        plan = first.runner.planned_signatures("common", 2, 16)
+        expected = [out.token_ids for out in first.generate(prompts, greedy)]
+        assert first.runner.store.stored == len(plan) and first.stats()["loaded_from_store"] == 0
+    finally:
+        first.shutdown()
+    second = Engine(precompile="background", **options)  # every shape stored: loaded at start, not in a thread
+    try:
+        stats = second.stats()
+        assert stats["loaded_from_store"] == stats["compiled_at_start"] == len(plan)
+        assert stats["compiled_in_background"] == 0
+        assert [out.token_ids for out in second.generate(prompts, greedy)] == expected
+        assert second.stats()["compiled_on_request_path"] == 0
+    finally:
+        second.shutdown()
