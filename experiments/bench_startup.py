@@ -8,9 +8,11 @@ Every row is a fresh process (spawned) that builds `Engine(precompile=MODE, kv_c
 workloads, each twice with the prefix cache flushed between: decode at batch 16 (bench_decode's prompts, 64 greedy
 tokens each) and 16 JSON-by-regex requests (bench_serve's; greedy). What each figure includes:
 
-- cache: XLA's persistent compilation cache. "cold": a new empty folder (``JSGL_JAX_CACHE``), so every shape
-  compiles; "warm": the same folder again, in a new process, so compiles are loads. Weights come from jsgl's
-  checkpoint cache and the regex's token index from its disk cache in both (after their first build ever).
+- cache: XLA's persistent compilation cache and jsgl's executable store. "cold": new empty folders
+  (``JSGL_JAX_CACHE``, ``JSGL_EXECUTABLE_STORE_DIR``), so every shape compiles; "warm": the same folders again, in
+  a new process, so compiles are loads (with every planned shape stored, ``background`` loads them at start).
+  Weights come from jsgl's checkpoint cache and the regex's token index from its disk cache in both (after their
+  first build ever).
 - startup s: constructing the engine: model load, pool, and with ``common`` the precompile itself.
 - ready s: from the start of construction until the background precompile is done (an idle engine).
 - ``background`` runs twice: "at once" starts the workloads as soon as `Engine()` returns, "when ready" after
@@ -40,6 +42,7 @@ ROWS = [("off", False), ("background", False), ("background", True), ("common", 
 def child(mode: str, when_ready: bool, cache: str, quick: bool) -> dict[str, Any]:
     """One fresh engine in this (spawned) process: its start-up and both runs of each workload."""
     os.environ["JSGL_JAX_CACHE"] = cache
+    os.environ["JSGL_EXECUTABLE_STORE_DIR"] = cache + "-executables"  # cold and warm as XLA's cache is
     from jsgl.experiments.bench_decode import PROMPTS
     from jsgl.experiments.bench_serve import JSON_PROMPT, JSON_REGEX, XlaCompiles
 

@@ -74,7 +74,8 @@ def abstract(tree: Any) -> str:
 
 
 class ExecutableStore:
-    """Serialized executables under one fingerprint (``cache_dir()/executables/<fingerprint>``)."""
+    """Serialized executables under one fingerprint (``JSGL_EXECUTABLE_STORE_DIR``, by default
+    ``cache_dir()/executables``, ``/<fingerprint>``)."""
 
     def __init__(self, *parts: object, root: Path | None = None):
         digest = hashlib.sha256()
@@ -82,7 +83,7 @@ class ExecutableStore:
         for part in (source_digest(), jax.__version__, jax.lib.__version__, devices, jax.process_count(),
                      os.environ.get("XLA_FLAGS", ""), cpu_signature(), *parts):
             digest.update(repr(part).encode() + b"\0")
-        self.root = root or cache_dir() / "executables"
+        self.root = root or Path(os.environ.get("JSGL_EXECUTABLE_STORE_DIR") or cache_dir() / "executables")
         self.directory = self.root / digest.hexdigest()[:24]
         self.loaded = self.stored = 0
         _listen_for_cache_hits()
