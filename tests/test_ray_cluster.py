@@ -196,3 +196,20 @@ def test_replicas_join_an_existing_cluster_and_leave_it_running(head, tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@needs_extra
+@pytest.mark.slow
+def test_a_cluster_it_cannot_join_is_named_and_no_local_one_started(head):
+    # A client without the cluster's token (Ray's default when it was started where a token exists): a clear
+    # error and exit 2, not a traceback, and no local cluster started in its place (Ray's API starts one when
+    # called uninitialized, as stop() did after a failed join). Ray's connect retries cut to 2 s.
+    env = {key: value for key, value in head.env.items() if key != "RAY_AUTH_TOKEN"}
+    env.update(RAY_AUTH_MODE="disabled", RAY_gcs_server_port_wait_time_s="2")
+    out = subprocess.run([sys.executable, "-m", "jsgl.cli", "serve", "--dp", "1", "--ray-address", head.address,
+                          "--port", str(free_port()), "--precompile", "off"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-4000:]
+    assert f"cannot join the Ray cluster at {head.address}" in out.stderr and "RAY_AUTH_MODE=token" in out.stderr
+    assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stderr, out.stderr[-4000:]
+    assert not [a for a in head.actors() if a["state"] == "ALIVE"]
