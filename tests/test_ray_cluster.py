@@ -5,7 +5,9 @@ token authentication and a token of its own), and `jsgl serve` joins it from ano
 one would clash with test_replicas' local cluster). Through the router the replicas answer /generate and
 /v1/completions with a single engine's greedy text; the replicas are actors of that cluster (its actor table, its
 CPUs in use, processes of its session, reached at its node's IP); SIGTERM stops the router and the actors and
-leaves the cluster running. Teardown stops the head and every process of its session, even on failure.
+leaves the cluster running, to serve the next `jsgl serve` (one replica, stopped by SIGINT); a client without the
+cluster's token gets a clear error and no local cluster. Teardown stops the head and every process of its
+session, even on failure.
 """
 
 from __future__ import annotations
@@ -130,15 +132,15 @@ def head() -> Iterator[Head]:
         assert not h.processes()
 
 
-def _serve(head: Head, port: int, log_path: Path) -> subprocess.Popen:
+def _serve(head: Head, port: int, log_path: Path, dp: int = DP) -> subprocess.Popen:
     flags = [x for key, value in WORKER.items() for x in (f"--{key.replace('_', '-')}", str(value))]
-    cmd = [sys.executable, "-m", "jsgl.cli", "serve", "--dp", str(DP), "--ray-address", head.address,
+    cmd = [sys.executable, "-m", "jsgl.cli", "serve", "--dp", str(dp), "--ray-address", head.address,
            "--port", str(port), "--precompile", "off", *flags]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=head.env, start_new_session=True)
 
 
-def _wait_serving(proc: subprocess.Popen, log_path: Path, timeout: float = 300) -> None:
+def _wait_serving(proc: subprocess.Popen, log_path: Path, timeout: float = 150) -> None:
     deadline = time.monotonic() + timeout
     while "replicas of" not in log_path.read_text(errors="replace"):  # printed once the router has them all
         assert proc.poll() is None, f"jsgl serve exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}"
@@ -213,3 +215,29 @@ def test_a_cluster_it_cannot_join_is_named_and_no_local_one_started(head):
     assert f"cannot join the Ray cluster at {head.address}" in out.stderr and "RAY_AUTH_MODE=token" in out.stderr
     assert "Traceback" not in out.stderr and "Started a local Ray instance" not in out.stderr, out.stderr[-4000:]
     assert not [a for a in head.actors() if a["state"] == "ALIVE"]
+
+
+@needs_extra
+@pytest.mark.slow
+def test_the_cluster_serves_again_and_sigint_stops_it(head, tmp_path):
+    # After a serve process left it (the test above), the same cluster takes another: one replica, stopped by
+    # SIGINT (Ctrl-C) as SIGTERM stops two.
+    router_port = free_port()
+    log_path = tmp_path / "serve.log"
+    proc = _serve(head, router_port, log_path, dp=1)
+    try:
+        _wait_serving(proc, log_path)
+        generated, completion = _answers(f"http://127.0.0.1:{router_port}")
+        assert generated and completion
+        replicas = [a for a in head.actors() if a["cls"] == "ReplicaServer" and a["state"] == "ALIVE"]
+        assert len(replicas) == 1 and replicas[0]["pid"] in head.processes(), replicas
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, log_path.read_text()[-4000:]
+        assert "replicas and router stopped" in log_path.read_text()
+        assert not [a for a in head.actors() if a["state"] == "ALIVE"]
+        assert f"0.0/{float(DP)} CPU" in head.status()
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -97,14 +97,15 @@ class Replica:
 
 
 def thread_env(dp: int, cores: int | None = None) -> dict[str, str]:
-    """Each replica's share of this machine's cores: the CPU kernels' threads and XLA's intra-op pool."""
+    """Each replica's share of this machine's cores: the CPU kernels' threads (and OpenMP's); at one thread, XLA's
+    Eigen pool off. XLA_FLAGS holds only `--` flags: a string that does not start with one is read as a file name
+    (fatal), and XLA has no intra-op thread count flag."""
     cores = cores or len(os.sched_getaffinity(0))
     threads = max(1, cores // dp)
-    flags = os.environ.get("XLA_FLAGS", "")
+    env = {"JSGL_CPU_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     if threads == 1:  # one thread: XLA's Eigen pool would only compete with the other replicas
-        flags = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
-    return {"JSGL_CPU_THREADS": str(threads), "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}",
-            "OMP_NUM_THREADS": str(threads)}
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip()
+    return env
 
 
 class Replicas:
