@@ -85,6 +85,16 @@ class Head:
                              env=self.env, capture_output=True, text=True, timeout=60)
         return out.stdout if out.returncode == 0 else ""
 
+    def cpus_in_use(self, expected: float, timeout: float = 30) -> bool:
+        """Whether `ray status` shows `expected` of the head's CPUs in use within `timeout` (it reports the load
+        a few seconds late)."""
+        deadline = time.monotonic() + timeout
+        while f"{float(expected)}/{float(DP)} CPU" not in self.status():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1)
+        return True
+
     def actors(self) -> list[dict]:
         out = subprocess.run([sys.executable, "-c", ACTOR_TABLE, self.address], env=self.env, capture_output=True,
                              text=True, timeout=120)
@@ -175,7 +185,7 @@ def test_replicas_join_an_existing_cluster_and_leave_it_running(head, tmp_path):
         # the head's session, and the router reaches them at the IP their node has in the cluster.
         replicas = [a for a in head.actors() if a["cls"] == "ReplicaServer" and a["state"] == "ALIVE"]
         assert len(replicas) == DP, replicas
-        assert f"{float(DP)}/{float(DP)} CPU" in head.status()
+        assert head.cpus_in_use(DP), head.status()
         session = set(head.processes())
         assert all(a["pid"] in session for a in replicas), (replicas, session)
         workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
@@ -189,7 +199,7 @@ def test_replicas_join_an_existing_cluster_and_leave_it_running(head, tmp_path):
         assert "replicas and router stopped" in log_path.read_text()
         # The actors are gone, their CPUs free, and the cluster is still up.
         assert not [a for a in head.actors() if a["state"] == "ALIVE"]
-        assert f"0.0/{float(DP)} CPU" in head.status()
+        assert head.cpus_in_use(0), head.status()
         assert not {a["pid"] for a in replicas} & set(head.processes())
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=5)
@@ -235,7 +245,7 @@ def test_the_cluster_serves_again_and_sigint_stops_it(head, tmp_path):
         assert proc.wait(timeout=90) == 0, log_path.read_text()[-4000:]
         assert "replicas and router stopped" in log_path.read_text()
         assert not [a for a in head.actors() if a["state"] == "ALIVE"]
-        assert f"0.0/{float(DP)} CPU" in head.status()
+        assert head.cpus_in_use(0), head.status()
     finally:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
