@@ -260,7 +260,7 @@ def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
     except ImportError as exc:
         print(f"jsgl serve: {exc}", file=sys.stderr)
         return 2
-    from jsgl.server.replicas import Replicas
+    from jsgl.server.replicas import ClusterJoinError, Replicas
 
     stop = threading.Event()
 
@@ -281,6 +281,9 @@ def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
             pass
     except KeyboardInterrupt:
         pass
+    except ClusterJoinError as exc:
+        print(f"jsgl serve: {exc}", file=sys.stderr)
+        return 2
     finally:
         if replicas is not None:
             replicas.stop()

@@ -283,3 +283,21 @@ def test_a_hung_replica_is_killed_and_restarted(replicas):
     routed = _routed_to(replicas, victim)
     print(f"the router sent {routed} of 8 new concurrent requests to the restarted replica {victim}")
     assert routed >= 1
+
+
+@pytest.mark.parametrize("dp,cores", [(1, 2), (2, 8), (2, 2), (4, 2)])
+def test_thread_env_gives_xla_only_flags_it_parses(dp, cores, monkeypatch):
+    # XLA reads an XLA_FLAGS that does not start with "--" as a file name and aborts the process: a replica with
+    # several threads (--dp 1 --ray-address, or --dp 2 on 4+ cores) died at its first import of jax so.
+    from jsgl.server.replicas import thread_env
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    env = thread_env(dp, cores)
+    threads = max(1, cores // dp)
+    assert env["JSGL_CPU_THREADS"] == env["OMP_NUM_THREADS"] == str(threads)
+    flags = env.get("XLA_FLAGS")
+    assert (flags == "--xla_cpu_multi_thread_eigen=false") if threads == 1 else flags is None, flags
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    flags = thread_env(dp, cores).get("XLA_FLAGS")
+    assert flags is None or flags.split() == ["--xla_force_host_platform_device_count=2",
+                                              "--xla_cpu_multi_thread_eigen=false"], flags

@@ -32,6 +32,27 @@ from jsgl.server.router_process import RouterProcess, check_installed
 log = logging.getLogger("jsgl.replicas")
 
 
+class ClusterJoinError(ConnectionError):
+    """`ray_address` names no Ray cluster this process can join."""
+
+
+def join_error(address: str, exc: BaseException) -> ClusterJoinError:
+    """What `ray.init(address=...)` failed on, with the likely fix: Ray (2.60) turns token authentication on
+    for a head started where a token exists (~/.ray/auth_token), and a process joining by address uses a token
+    only when told to (RAY_AUTH_MODE=token)."""
+    chain, cause = [], exc
+    while cause is not None:
+        chain.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__
+    text = " ".join(chain)
+    if "Authentication" in text or "InvalidAuthToken" in text:
+        hint = ("the cluster uses token authentication: set RAY_AUTH_MODE=token here, with its token in "
+                "RAY_AUTH_TOKEN (or ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH)")
+    else:
+        hint = "is a head node running there (`ray start --head --port PORT`) and reachable from here?"
+    return ClusterJoinError(f"cannot join the Ray cluster at {address}: {hint} ({str(exc).splitlines()[0]})")
+
+
 class ReplicaServer:
     """One replica, run as a Ray actor: an engine served by uvicorn on a thread of the actor's process."""
 
@@ -76,14 +97,15 @@ class Replica:
 
 
 def thread_env(dp: int, cores: int | None = None) -> dict[str, str]:
-    """Each replica's share of this machine's cores: the CPU kernels' threads and XLA's intra-op pool."""
+    """Each replica's share of this machine's cores: the CPU kernels' threads (and OpenMP's); at one thread, XLA's
+    Eigen pool off. XLA_FLAGS holds only `--` flags: a string that does not start with one is read as a file name
+    (fatal), and XLA has no intra-op thread count flag."""
     cores = cores or len(os.sched_getaffinity(0))
     threads = max(1, cores // dp)
-    flags = os.environ.get("XLA_FLAGS", "")
+    env = {"JSGL_CPU_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     if threads == 1:  # one thread: XLA's Eigen pool would only compete with the other replicas
-        flags = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
-    return {"JSGL_CPU_THREADS": str(threads), "XLA_FLAGS": f"{flags} intra_op_parallelism_threads={threads}",
-            "OMP_NUM_THREADS": str(threads)}
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_multi_thread_eigen=false".strip()
+    return env
 
 
 class Replicas:
@@ -123,14 +145,19 @@ class Replicas:
             return
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if main else None
-        self._init_ray(address, dp)
-        if main:  # ray.init's own SIGTERM handler exits at once (sys.exit): the caller's decides, as before
-            signal.signal(signal.SIGTERM, previous)
+        try:
+            self._init_ray(address, dp)
+        finally:
+            if main:  # ray.init's own SIGTERM handler exits at once (sys.exit): the caller's decides, as before
+                signal.signal(signal.SIGTERM, previous)
 
     def _init_ray(self, address: str | None, dp: int) -> None:
         ray = self._ray
         if address:
-            ray.init(address=address, logging_level=logging.WARNING, configure_logging=True)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, configure_logging=True)
+            except ConnectionError as exc:
+                raise join_error(address, exc) from exc
         else:  # a local cluster that can place every replica (one CPU each) even on a smaller machine
             ray.init(num_cpus=max(dp, os.cpu_count() or 1), include_dashboard=False, logging_level=logging.WARNING,
                      configure_logging=True)
@@ -226,6 +253,9 @@ class Replicas:
         if self.router is not None:
             self.router.stop()
         ray = self._ray
+        if not ray.is_initialized():  # Ray did not start or join: its API would start a local cluster now
+            self.replicas = []
+            return
         stops = []
         for replica in self.replicas:
             with contextlib.suppress(Exception):
