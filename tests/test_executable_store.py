@@ -13,6 +13,7 @@ import pytest
 
 from jsgl.engine import executable_store
 from jsgl.engine.executable_store import ExecutableStore, prune
+from jsgl.engine.model_runner import step_name
 
 
 @pytest.fixture
@@ -76,5 +77,15 @@ def test_an_engine_loads_its_stored_plan_at_start_and_serves_the_same_tokens(sto
         assert stats["compiled_in_background"] == 0
         assert [out.token_ids for out in second.generate(prompts, greedy)] == expected
         assert second.stats()["compiled_on_request_path"] == 0
+        missing = second.runner.store.directory / f"{step_name(plan[-1])}.bin"
     finally:
         second.shutdown()
+    missing.unlink()
+    third = Engine(precompile="background", **options)  # the stored shapes load at start, the other in a thread
+    try:
+        assert third.wait_compiled(timeout=120)
+        stats = third.stats()
+        assert stats["loaded_from_store"] == stats["compiled_at_start"] == len(plan) - 1
+        assert stats["compiled_in_background"] == 1 and missing.exists()
+    finally:
+        third.shutdown()
