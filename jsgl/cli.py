@@ -56,7 +56,8 @@ ENGINE_HELP = {
                   "for its own shape), common (decode and extend buckets, at start), all (also prompt-logprob "
                   "extends), off (each on first use)",
     "executable_store": "save compiled step executables on disk and load them on the next start: auto (one "
-                        "process; with every planned shape stored, background precompile loads them at start), off",
+                        "process, unless JSGL_EXECUTABLE_STORE=off), on, off; with background precompile the stored "
+                        "shapes load at start",
     "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
                         "(on CPU only for small decode batches)",
     "seed": "seed of the sampling seeds drawn for requests that bring none",
@@ -94,7 +95,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "grammar_backend": ["jsgl", "llguidance"],
         "precompile": list(PRECOMPILE_MODES),
         "weights_cache": ["auto", "orbax", "off"],
-        "executable_store": ["auto", "off"],
+        "executable_store": ["auto", "on", "off"],
         "dtype": ["auto", "bfloat16", "float16", "float32"],
         "kv_dtype": ["auto", "bfloat16", "float16", "float32", "int8"],  # memory.KV_DTYPES
     }

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every compiled program into XLA's persistent cache, not only those past 0.5 s: many engines of a session (and
 # the commands test_cli starts) compile the same small programs (7% of two slow modules' compile time).
 os.environ.setdefault("JSGL_JAX_CACHE_MIN_SECS", "0")
-# Engines compile as before (XLA's persistent cache); tests/test_executable_store.py turns the store on.
+# Engines compile as before (XLA's persistent cache; executable_store auto = off); test_executable_store's: on.
 os.environ.setdefault("JSGL_EXECUTABLE_STORE", "off")
 
 

@@ -60,7 +60,7 @@ def test_an_engine_loads_its_stored_plan_at_start_and_serves_the_same_tokens(sto
     from jsgl.engine.engine import Engine
     from jsgl.engine.request import SamplingParams
 
-    options = dict(max_running_requests=2, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="auto")
+    options = dict(max_running_requests=2, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
     prompts = ["The capital of France is", "Count: one, two,", "A list of fruits: apple,"]
     greedy = SamplingParams(max_new_tokens=6, temperature=0)
     first = Engine(precompile="common", **options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 import threading
 import time
@@ -102,7 +103,9 @@ class Engine:
                                   weight_blocks=weight_blocks,
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size,
-                                  executable_store=cfg.executable_store != "off" and cfg.nnodes == 1)
+                                  executable_store=cfg.nnodes == 1 and (cfg.executable_store == "on" or (
+                                      cfg.executable_store == "auto"
+                                      and os.environ.get("JSGL_EXECUTABLE_STORE") != "off")))
         del params
         self.platform_report = describe(self.platform, dtype=self.dtype.name, kv_dtype=self.kv_dtype.name,
                                         attention_backend=self.backends.attention,
