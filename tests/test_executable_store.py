@@ -89,3 +89,35 @@ def test_an_engine_loads_its_stored_plan_at_start_and_serves_the_same_tokens(sto
         assert stats["compiled_in_background"] == 1 and missing.exists()
     finally:
         third.shutdown()
+
+
+@pytest.mark.slow
+def test_a_stored_step_that_fails_to_run_is_dropped_and_compiled(store_root, monkeypatch):
+    from jsgl.engine.engine import Engine
+    from jsgl.engine.model_runner import ModelRunner
+    from jsgl.engine.request import SamplingParams
+
+    options = dict(max_running_requests=1, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    first = Engine(precompile="common", **options)
+    try:
+        expected = first.generate("The capital of France is", greedy).token_ids
+        directory = first.runner.store.directory
+    finally:
+        first.shutdown()
+    run_padding = ModelRunner.run_padding
+
+    def fails_once_loaded(self, signature, compiled):
+        if self.store is not None and self.store.loaded:  # as a stored executable missing a kernel would
+            self.kv = jax.tree.map(lambda x: x.delete() or x, self.kv)  # the donated pool is gone
+            raise RuntimeError("Function wrapped_slice.1 not found")
+        return run_padding(self, signature, compiled)
+
+    monkeypatch.setattr(ModelRunner, "run_padding", fails_once_loaded)
+    second = Engine(precompile="common", **options)
+    try:
+        assert second.runner.store is None and not directory.exists()  # dropped, compiled without the store
+        assert second.runner.kv_intact()
+        assert second.generate("The capital of France is", greedy).token_ids == expected
+    finally:
+        second.shutdown()

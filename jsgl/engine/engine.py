@@ -184,10 +184,9 @@ class Engine:
             if not runner.kv_intact():
                 runner.reset_kv()
             runner.compiler.compile_all(plan)
+        self.constraints.backend.warm()  # a warm start: the regex vocabulary too (a first regex request waits ~0.5 s)
         if background:
-            runner.compiler.start_background(background, then=self.constraints.backend.warm)
-        else:
-            self.constraints.backend.warm()
+            runner.compiler.start_background(background)
         seconds = time.perf_counter() - t0
         loaded = runner.store.loaded if runner.store is not None else 0
         log.info("precompiled %d step shapes (%s, %d of them loaded from the executable store) in %.1f s", len(plan),
