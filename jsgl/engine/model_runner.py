@@ -195,6 +195,7 @@ class ModelRunner:
                                      self.page_size, num_slots, self.table_width, max_top_logprobs,
                                      abstract(self.params), abstract(self._kv_spec)) if executable_store else None
         self._defaults: dict[tuple[str, int], jax.Array] = {}  # neutral mask/bias/scale per batch bucket
+        self._stored_samplers: dict[int, Any] = {}  # the sampler per batch bucket, through the executable store
         self._last_tokens: jax.Array | None = None  # the last step's tokens: an overlapped step's inputs
         self.channel: StepChannel | None = None  # rank 0 of a multi-process engine: where each step is sent
         # Under tp, the sampler's outputs whole on every device (each process reads its own copy).
@@ -304,8 +305,10 @@ class ModelRunner:
         self.kv, out = compiled(*args) if compiled is not None else \
             self._step(*args, layout=layout, prompt_top_k=message.prompt_k)
         if not step.plain_greedy:  # queued behind the forward on the device; its tokens replace the forward's zeros
-            out = {**out, **self._sample(out["logits"], step.packed.sampling, *step.vocab_rows,
-                                         top_logprobs=self.max_top_logprobs)}
+            stored = self._stored_samplers.get(layout.num_b)
+            args = (out["logits"], step.packed.sampling, *step.vocab_rows)
+            out = {**out, **(stored(*args) if stored is not None else
+                             self._sample(*args, top_logprobs=self.max_top_logprobs))}
         self._last_tokens = out["tokens"]
         return out
 
@@ -378,7 +381,19 @@ class ModelRunner:
                                         apply_repetition=False, want_top=False)
         arrays = [self._neutral(kind, num_b) for kind in ("bitmask", "logit_bias", "repetition_scale")]
         logits = jax.device_put(np.zeros((num_b, like.shape[1]), like.dtype), like.sharding)
-        jax.block_until_ready(self._sample(logits, packed.sampling, *arrays, top_logprobs=self.max_top_logprobs))
+        args = (logits, packed.sampling, *arrays)
+        if self.store is not None:  # loaded or compiled through the store, then what execute() calls at this bucket
+            name = f"sampler_{num_b}_{like.dtype}"
+            sampler = self.store.load(name)
+            if sampler is None:
+                # The logits placed as a step places them; the rest as jit takes them (host or uncommitted arrays).
+                specs = [jax.ShapeDtypeStruct(logits.shape, like.dtype, sharding=like.sharding),
+                         *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[1:])]
+                sampler = self.store.compile(self._sample.lower(*specs, top_logprobs=self.max_top_logprobs), name)
+            self._stored_samplers[num_b] = sampler
+            jax.block_until_ready(sampler(*args))
+            return
+        jax.block_until_ready(self._sample(*args, top_logprobs=self.max_top_logprobs))
 
     def _neutral(self, kind: str, num_b: int) -> jax.Array:
         """A device array that leaves the logits unchanged (kept, so a step without masks, biases or
