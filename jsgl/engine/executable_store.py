@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import pickle
@@ -57,6 +58,13 @@ def _listen_for_cache_hits() -> None:
     jax.monitoring.register_event_listener(_on_event)
 
 
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:  # a source build
+        return "unknown"
+
+
 @functools.cache
 def source_digest() -> str:
     """jsgl's own code (Python and the CPU kernels' C++): any edit is a new fingerprint."""
@@ -80,7 +88,7 @@ class ExecutableStore:
     def __init__(self, *parts: object, root: Path | None = None):
         digest = hashlib.sha256()
         devices = [(d.platform, d.device_kind) for d in jax.devices()]
-        for part in (source_digest(), jax.__version__, jax.lib.__version__, devices, jax.process_count(),
+        for part in (source_digest(), jax.__version__, _jaxlib_version(), devices, jax.process_count(),
                      os.environ.get("XLA_FLAGS", ""), cpu_signature(), *parts):
             digest.update(repr(part).encode() + b"\0")
         self.root = root or Path(os.environ.get("JSGL_EXECUTABLE_STORE_DIR") or cache_dir() / "executables")
@@ -114,8 +122,12 @@ class ExecutableStore:
         hits_before = getattr(_hits, "count", 0)
         unwritten = _min_cache_write_secs(float("inf")) if _min_cache_write_secs is not None \
             else contextlib.nullcontext()
-        with unwritten:
-            compiled = lowered.compile(compiler_options=FRESH_COMPILE_OPTIONS)
+        try:
+            with unwritten:
+                compiled = lowered.compile(compiler_options=FRESH_COMPILE_OPTIONS)
+        except Exception as exc:  # an XLA without that option: compiled as without the store, not stored
+            log.info("executable store: compiling %s without the store (%s)", name, exc)
+            return lowered.compile()
         if getattr(_hits, "count", 0) == hits_before:
             self._save(name, compiled)
         return compiled
