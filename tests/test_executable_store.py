@@ -30,7 +30,7 @@ def test_a_stored_executable_loads_and_computes_as_compiled(store_root):
     x = jnp.arange(16, dtype=jnp.float32)
     compiled = ExecutableStore("config-a").compile(_lowered(16), "f16")
     again = ExecutableStore("config-a")
-    assert again.holds(["f16"]) and not again.holds(["f16", "f32"])
+    assert again.holds("f16") and not again.holds("f32")
     loaded = again.load("f16")
     assert loaded is not None and again.loaded == 1
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(compiled(x)))

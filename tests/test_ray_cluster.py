@@ -158,6 +158,14 @@ def _wait_serving(proc: subprocess.Popen, log_path: Path, timeout: float = 150) 
         time.sleep(0.5)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """What a failed test leaves running: the serve process and its session (router, Ray driver)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _answers(url: str) -> tuple[str, str]:
     generated = httpx.post(f"{url}/generate", json={"text": PROMPT, "sampling_params": GREEDY}, timeout=120)
     assert generated.status_code == 200, generated.text
@@ -204,10 +212,7 @@ def test_replicas_join_an_existing_cluster_and_leave_it_running(head, tmp_path):
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=5)
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
 
 
 @needs_extra
@@ -247,7 +252,4 @@ def test_the_cluster_serves_again_and_sigint_stops_it(head, tmp_path):
         assert not [a for a in head.actors() if a["state"] == "ALIVE"]
         assert head.cpus_in_use(0), head.status()
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 PRECOMPILE_MODES = ("background", "common", "all", "off")
 
@@ -86,6 +87,13 @@ class EngineConfig:
     max_stop_sequences: int = 32  # stop strings are scanned on every token of the request
     max_stop_chars: int = 256  # length of one stop string
     constraint_timeout_s: float = 60.0  # a regex/schema index not built by then fails its request (400)
+
+    @property
+    def uses_executable_store(self) -> bool:
+        """``executable_store`` resolved: auto is on in one process unless JSGL_EXECUTABLE_STORE=off."""
+        if self.nnodes > 1 or self.executable_store == "off":
+            return False
+        return self.executable_store == "on" or os.environ.get("JSGL_EXECUTABLE_STORE") != "off"
 
     def __post_init__(self) -> None:
         if self.grammar_backend not in ("jsgl", "llguidance"):

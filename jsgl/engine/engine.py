@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 import threading
 import time
@@ -103,9 +102,7 @@ class Engine:
                                   weight_blocks=weight_blocks,
                                   max_context=self.max_context,
                                   tp=cfg.tp, max_top_logprobs=cfg.max_top_logprobs, page_size=cfg.page_size,
-                                  executable_store=cfg.nnodes == 1 and (cfg.executable_store == "on" or (
-                                      cfg.executable_store == "auto"
-                                      and os.environ.get("JSGL_EXECUTABLE_STORE") != "off")))
+                                  executable_store=cfg.uses_executable_store)
         del params
         self.platform_report = describe(self.platform, dtype=self.dtype.name, kv_dtype=self.kv_dtype.name,
                                         attention_backend=self.backends.attention,
@@ -166,7 +163,7 @@ class Engine:
         runner = self.runner
         background = []
         if cfg.precompile == "background":  # what is stored loads now; the rest compiles in the background
-            stored = [signature for signature in plan if runner.stored([signature])]
+            stored = [signature for signature in plan if runner.is_stored(signature)]
             plan, background = stored, [signature for signature in plan if signature not in stored]
             if not stored:
                 runner.compiler.start_background(background, then=self.constraints.backend.warm)

@@ -99,8 +99,8 @@ class ExecutableStore:
     def _path(self, name: str) -> Path:
         return self.directory / f"{name}.bin"
 
-    def holds(self, names: list[str]) -> bool:
-        return all(self._path(name).exists() for name in names)
+    def holds(self, name: str) -> bool:
+        return self._path(name).exists()
 
     def load(self, name: str) -> Any | None:
         """The executable stored as ``name``, or None (not stored, or unreadable: it is compiled again)."""

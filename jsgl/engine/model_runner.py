@@ -351,9 +351,9 @@ class ModelRunner:
         lowered = self._step.lower(*args, layout=layout, prompt_top_k=signature[4])
         return self.store.compile(lowered, name) if self.store is not None else lowered.compile()
 
-    def stored(self, plan: list[tuple]) -> bool:
-        """Whether the executable store holds every step of ``plan``."""
-        return self.store is not None and self.store.holds([step_name(signature) for signature in plan])
+    def is_stored(self, signature: tuple) -> bool:
+        """Whether the executable store holds the step for ``signature``."""
+        return self.store is not None and self.store.holds(step_name(signature))
 
     def run_padding(self, signature: tuple, compiled: Any) -> None:
         """Execute a compiled step on padding (every write goes to reserved slot 0; engine thread only, as it
