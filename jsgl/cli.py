@@ -60,6 +60,15 @@ ENGINE_HELP = {
                         "shapes load at start",
     "overlap_schedule": "overlap scheduling: dispatch the next decode step before the running one is read back "
                         "(on CPU only for small decode batches)",
+    "speculative_algorithm": "speculative decoding: ngram (drafts from the prefix cache's continuation of a request's "
+                             "tokens, else from its own earlier text; cut by its grammar; verified in one decode step "
+                             "with its jump-forward tokens) or none",
+    "speculative_num_draft_tokens": "most draft tokens per request and step",
+    "speculative_ngram_min_match_window_size": "shortest n-gram of a request's last tokens looked up in its text",
+    "speculative_ngram_max_match_window_size": "longest n-gram of a request's last tokens looked up in its text (tried "
+                                               "first)",
+    "speculative_max_batch": "decode batches of more requests than this get no drafts (default: the platform's, "
+                             "measured: 16 on CPU)",
     "seed": "seed of the sampling seeds drawn for requests that bring none",
     "tp": "tensor-parallel degree, in local devices; with --nnodes > 1 in all processes' devices (devices per node "
           "x nnodes)",

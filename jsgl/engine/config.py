@@ -67,6 +67,16 @@ class EngineConfig:
     # reads, detokenizes and schedules meanwhile. Off: each step is read back before the next is built. On CPU,
     # where the step runs on the host's cores, only decode batches of up to 8 overlap (overlap.CPU_OVERLAP_MAX_BATCH).
     overlap_schedule: bool = True
+    # Speculative decoding (SGLang's flags; engine/speculative.py): ngram proposes each running request's next
+    # tokens from the prefix cache's continuation of its tokens, else from its own earlier text (prompt lookup), cut
+    # by its grammar, and verifies them in one decode step with its jump-forward tokens. none: off.
+    speculative_algorithm: str = "none"
+    speculative_num_draft_tokens: int = 4  # most draft tokens per request and step
+    speculative_ngram_min_match_window_size: int = 1  # the n-gram lengths matched, longest first
+    speculative_ngram_max_match_window_size: int = 4
+    # Decode batches of more requests than this get no drafts (their verify rows cost more than they save); None: the
+    # platform's (speculative.DEFAULT_MAX_BATCH).
+    speculative_max_batch: int | None = None
     seed: int = 0  # seeds requests that do not bring their own
     # Tensor-parallel degree: jax.sharding over local devices, or with nnodes > 1 over every process's devices
     # (tp = devices per node x nnodes; docs/serving.md, multi-host).
@@ -110,6 +120,13 @@ class EngineConfig:
             raise ValueError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
         if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
             raise ValueError("cache_match_fraction < 1 needs prefix_cache radix")
+        self.speculative_algorithm = self.speculative_algorithm.lower()  # SGLang spells it NGRAM
+        if self.speculative_algorithm not in ("none", "ngram"):
+            raise ValueError(f"speculative_algorithm must be none or ngram, not {self.speculative_algorithm!r}")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size \
+                or self.speculative_num_draft_tokens < 1 or (self.speculative_max_batch or 1) < 1:
+            raise ValueError("speculative_num_draft_tokens >= 1, speculative_max_batch >= 1 and 1 <= "
+                             "speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         if self.mixed_prefill_tokens < 0 or not 0 < self.prefill_share <= 1:
             raise ValueError("mixed_prefill_tokens >= 0 (0: no mixed steps), 0 < prefill_share <= 1")
         if (self.page_size is not None and self.page_size < 1) or self.max_running_requests < 1 \

@@ -40,6 +40,7 @@ from jsgl.engine.sampling_params import expand_parallel_samples
 from jsgl.engine.scheduler import Scheduler
 from jsgl.engine.sequence import Sequence
 from jsgl.engine.spanned_prompt import SpannedPrompt
+from jsgl.engine.speculative import make_speculator
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.model.llama import packed_from_blocks
 from jsgl.model.loader import load_gguf_blocks, load_placed
@@ -132,8 +133,9 @@ class Engine:
         self.mailbox = Mailbox()
         overlap = OverlapScheduler(self.scheduler, self.runner, cfg,
                                    cfg.max_running_requests if self.platform.accelerator else CPU_OVERLAP_MAX_BATCH)
+        speculator = make_speculator(cfg, self.prefix_cache, self.scheduler.token_limit, self.platform.name)
         self.loop = EngineLoop(cfg, self.mailbox, self.scheduler, self.runner, self.prefix_cache, self.constraints,
-                               self.outputs, overlap)
+                               self.outputs, overlap, speculator)
         self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
         self._metrics_lock = threading.Lock()
         # Multi-process: rank 0 sends each step to the others, which run them in ``follow`` instead of a loop.
@@ -325,6 +327,7 @@ class Engine:
             "decode_steps": s.decode_steps, "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens, "computed_prefill_tokens": s.computed_prefill_tokens,
             "retractions": s.retractions, "preemptions": s.preemptions, "mixed_steps": s.mixed_steps,
+            "speculative": loop.speculator.stats.as_dict() if loop.speculator is not None else None,
             **self._compile_stats(),
             **self.platform_report, "amx_prefill": self.amx_prefill,
             "cpu_vector_isa": cpu_kernels.vector_isa() if self.runner.matmul_backend != "xla" else None,

@@ -24,6 +24,7 @@ from jsgl.engine.overlap import Overlapped, OverlapScheduler
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.speculative import Draft, Speculator
 from jsgl.engine.step_inputs import ForwardItem
 from jsgl.fsm import release_index
 from jsgl.radix.cache_base import PrefixCacheBase
@@ -39,7 +40,7 @@ HIT_RATE_WINDOW_TOKENS = 1 << 15
 class EngineLoop:
     def __init__(self, config: EngineConfig, mailbox: Mailbox, scheduler: Scheduler, runner: ModelRunner,
                  prefix_cache: PrefixCacheBase, constraints: ConstraintManager, outputs: OutputProcessor,
-                 overlap: OverlapScheduler):
+                 overlap: OverlapScheduler, speculator: Speculator | None = None):
         self.config = config
         self.mailbox = mailbox
         self.scheduler = scheduler
@@ -48,6 +49,7 @@ class EngineLoop:
         self.constraints = constraints
         self.outputs = outputs
         self.overlap = overlap
+        self.speculator = speculator  # speculative decoding (engine/speculative.py), or None
         self.pending: list[Sequence] = []  # waiting for their constraint's index to build
         self._inflight: Overlapped | None = None  # a decode step dispatched before the last one was read back
         self.forward_passes = 0
@@ -152,6 +154,12 @@ class EngineLoop:
         if batch is None:
             return None
         t0 = time.perf_counter()
+        if self.speculator is not None and batch.decoding:
+            drafts = self._drafts(batch)
+            if drafts is not None:
+                self._verify(batch, drafts)
+                self._account(batch, time.perf_counter() - t0)
+                return batch
         rows: list[int] = []  # batch positions that made it into the step
         items = []
         for i, (seq, chunk) in enumerate(zip(batch.seqs, batch.chunks)):
@@ -162,10 +170,12 @@ class EngineLoop:
                 self._fail_one(seq, "preparing its step inputs")
         results = self._run_isolated(batch, rows, items)
         self._absorb(batch, rows, results)
-        seconds = time.perf_counter() - t0
+        self._account(batch, time.perf_counter() - t0)
+        return batch
+
+    def _account(self, batch: Batch, seconds: float) -> None:
         self.step_time["decode" if batch.is_decode else "extend"] += seconds
         self.scheduler.account(batch, seconds)
-        return batch
 
     def _absorb(self, batch: Batch, rows: list[int], results: list[Any]) -> None:
         metrics = self.metrics
@@ -183,15 +193,88 @@ class EngineLoop:
             if metrics is not None:
                 metrics.tokens(seq, now, batch.samples(i))
             if publish:
-                if seq.finished:  # free KV before waking the caller, so "done" implies "released"
-                    self.retire(seq)
-                seq.publish()
+                self._publish(seq)
+        self.scheduler.after_step(batch)
+
+    def _publish(self, seq: Sequence) -> None:
+        if seq.finished:  # free KV before waking the caller, so "done" implies "released"
+            self.retire(seq)
+        seq.publish()
+
+    # ---------------------------------------------------------------------------- speculative decoding
+    def _drafts(self, batch: Batch) -> dict[int, Draft] | None:
+        """Drafts for a batch of the running requests (by batch position; their slots grown), or None when the step
+        is better run as it is: no drafts and no jump-forward run to fold in, or more rows than a decode step has."""
+        speculator, kv = self.speculator, self.scheduler.kv
+        room = self.config.max_running_requests - sum(batch.chunks)
+        drafts: dict[int, Draft] = {}
+        if len(batch.seqs) <= speculator.settings.max_batch:
+            for i, seq in enumerate(batch.seqs):
+                draft = speculator.draft(seq) if room > 0 else None
+                if draft is not None:
+                    draft.tokens = draft.tokens[:room]
+                    if kv.grow(seq, seq.num_tokens + len(draft.tokens)):
+                        drafts[i] = draft
+                        room -= len(draft.tokens)
+        if (not drafts and batch.is_decode) or room < 0:
+            return None
+        return drafts
+
+    def _verify(self, batch: Batch, drafts: dict[int, Draft]) -> None:
+        """One decode step of one-token rows: each request's uncomputed tokens and its draft; then fold in what each
+        accepted, and give back the slots of what it did not."""
+        if not batch.is_decode:  # a jump-forward's run was to make this an extend step: it is a decode step now
+            batch.is_decode = True
+            self.scheduler.stats.extend_steps -= 1
+            self.scheduler.stats.decode_steps += 1
+        items: list[ForwardItem] = []
+        spans: list[tuple[int, int]] = []  # (batch position, its first row)
+        for i, seq in enumerate(batch.seqs):
+            try:
+                rows = self.outputs.verify_items(seq, drafts.get(i))
+            except Exception:
+                self._fail_one(seq, "preparing its step inputs")
+                continue
+            spans.append((i, len(items)))
+            items += rows
+        try:
+            out = self._dispatch(batch.seqs, items, True).result() if items else None
+        except Exception:
+            if not self.runner.kv_intact():
+                raise
+            log.warning("a verify step failed; its requests step without drafts", exc_info=True)
+            for seq in batch.seqs:
+                self.scheduler.kv.shrink(seq, seq.num_tokens)
+            rows = [i for i, _ in spans]
+            items = [self.outputs.forward_item(batch.seqs[i], batch.chunks[i], True) for i in rows]
+            self._absorb(batch, rows, self._run_isolated(batch, rows, items))
+            return
+        metrics = self.metrics
+        now = time.monotonic() if metrics is not None else 0.0
+        for i, first in spans:
+            seq = batch.seqs[i]
+            draft = drafts.get(i)
+            try:
+                accepted = self.outputs.absorb_verified(seq, draft.tokens if draft else [], out, first)
+            except Exception:
+                self._fail_one(seq, "processing its sampled token")
+                continue
+            if draft is not None:
+                self.speculator.verified(seq, len(draft.tokens), accepted)
+            if not seq.finished:
+                self.scheduler.kv.shrink(seq, seq.num_tokens)
+            if metrics is not None:
+                metrics.tokens(seq, now, True)
+            self._publish(seq)
+        self.speculator.stats.verify_steps += bool(drafts)
         self.scheduler.after_step(batch)
 
     def _follow(self, batch: Batch, items: list[ForwardItem], pending: PendingStep) -> Overlapped | None:
         """Overlap the next decode step behind ``pending`` unless a request waits to be admitted."""
         if self.pending or self.mailbox.has_news():
             return None
+        if self.speculator is not None and len(batch.seqs) <= self.speculator.settings.max_batch:
+            return None  # the next step may verify drafts, which depend on this one's tokens
         return self.overlap.follow(batch, items, pending, self._dispatch)
 
     def _absorb_overlapped(self) -> Batch:
@@ -308,6 +391,8 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.finished(seq, time.monotonic())
         self.scheduler.drop(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         release_constraints([seq])
         self.mailbox.retire(seq.rid)
 

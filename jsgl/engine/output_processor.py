@@ -15,6 +15,7 @@ from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.model_runner import StepOutput
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.sequence import Sequence
+from jsgl.engine.speculative import Draft
 from jsgl.engine.step_inputs import ForwardItem
 
 
@@ -29,32 +30,52 @@ class OutputProcessor:
         """The next ``chunk`` uncomputed tokens of ``seq``; with ``samples``, how to sample after them."""
         tokens = seq.token_ids
         start = seq.num_computed
-        p = seq.params
-        item = ForwardItem(
-            token_ids=np.asarray(tokens[start: start + chunk], np.int32), start_pos=start,
-            slots=seq.slots, temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p,
-            top_k=p.top_k, min_p=p.min_p, seed=seq.seed, step=len(seq.output_ids))
+        item = self._item(seq, tokens[start: start + chunk], start)
         if seq.wants_prompt_logprobs:
             nxt = tokens[start + 1: start + chunk + 1]
             item.target_ids = np.asarray(nxt + [0] * (chunk - len(nxt)), np.int32)
         if samples:
-            item.logit_bias = self._logit_bias(seq)
-            item.repetition_scale = self._repetition_scale(seq)
-            if seq.constraint is not None:
-                item.bitmask = seq.constraint.allowed_token_bitmask()
+            self._sample_as(item, seq, seq.output_ids,
+                            seq.constraint.allowed_token_bitmask() if seq.constraint is not None else None)
         return item
 
-    def _logit_bias(self, seq: Sequence) -> np.ndarray | None:
+    def verify_items(self, seq: Sequence, draft: Draft | None) -> list[ForwardItem]:
+        """One-token rows of a verify step: ``seq``'s uncomputed tokens (one, or a jump-forward's run; the last
+        samples), then each draft token, sampled as ``seq`` would be with the draft before it in its output."""
+        tokens = seq.token_ids
+        rows = [self._item(seq, [t], p) for p, t in enumerate(tokens[seq.num_computed:], seq.num_computed)]
+        drafted = draft.tokens if draft is not None else []
+        rows += [self._item(seq, [t], p) for p, t in enumerate(drafted, seq.num_tokens)]
+        for i, row in enumerate(rows[len(rows) - len(drafted) - 1:]):
+            mask = draft.masks[i] if draft is not None and draft.masks is not None else \
+                seq.constraint.allowed_token_bitmask() if seq.constraint is not None and i == 0 else None
+            self._sample_as(row, seq, seq.output_ids + drafted[:i], mask)
+        return rows
+
+    def _item(self, seq: Sequence, tokens: list[int], start: int) -> ForwardItem:
+        p = seq.params
+        return ForwardItem(token_ids=np.asarray(tokens, np.int32), start_pos=start, slots=seq.slots,
+                           temperature=0.0 if p.greedy else p.temperature, top_p=p.top_p, top_k=p.top_k,
+                           min_p=p.min_p, seed=seq.seed, step=len(seq.output_ids))
+
+    def _sample_as(self, item: ForwardItem, seq: Sequence, output_ids: list[int], mask: np.ndarray | None) -> None:
+        """Sample ``item``'s next token as ``seq`` would after ``output_ids``: its noise step, penalties, mask."""
+        item.step = len(output_ids)
+        item.logit_bias = self._logit_bias(seq, output_ids)
+        item.repetition_scale = self._repetition_scale(seq, output_ids)
+        item.bitmask = mask
+
+    def _logit_bias(self, seq: Sequence, output_ids: list[int]) -> np.ndarray | None:
         """Additive: frequency/presence penalties over the output so far, the request's logit_bias, and
         -inf on EOS and stop tokens until min_new_tokens (as SGLang's penalizers)."""
         p = seq.params
-        penalize = bool(p.frequency_penalty or p.presence_penalty) and bool(seq.output_ids)
-        too_short = len(seq.output_ids) < p.min_new_tokens and bool(seq.stop_ids)
+        penalize = bool(p.frequency_penalty or p.presence_penalty) and bool(output_ids)
+        too_short = len(output_ids) < p.min_new_tokens and bool(seq.stop_ids)
         if not (penalize or too_short or p.logit_bias):
             return None
         bias = np.zeros(self.vocab_size, np.float32)
         if penalize:
-            counts = np.bincount(np.asarray(seq.output_ids), minlength=self.vocab_size)[: self.vocab_size]
+            counts = np.bincount(np.asarray(output_ids), minlength=self.vocab_size)[: self.vocab_size]
             bias -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         for token, value in p.token_bias().items():
             bias[token] += value
@@ -62,14 +83,14 @@ class OutputProcessor:
             bias[[t for t in seq.stop_ids if t < self.vocab_size]] = -np.inf
         return bias
 
-    def _repetition_scale(self, seq: Sequence) -> np.ndarray | None:
+    def _repetition_scale(self, seq: Sequence, output_ids: list[int]) -> np.ndarray | None:
         """Multiplicative repetition penalty on tokens already generated (SGLang's: the output only;
         transformers' processor also counts the prompt)."""
         penalty = seq.params.repetition_penalty
-        if penalty == 1.0 or not seq.output_ids:
+        if penalty == 1.0 or not output_ids:
             return None
         scale = np.ones(self.vocab_size, np.float32)
-        scale[np.asarray(seq.output_ids)] = penalty
+        scale[np.asarray(output_ids)] = penalty
         return scale
 
     # ------------------------------------------------------------------------------ step outputs
@@ -84,7 +105,32 @@ class OutputProcessor:
         if len(seq.output_ids) >= seq.max_new_tokens:  # prefill-only request (max_new_tokens == 0)
             seq.finish_reason = FinishReason.LENGTH
             return True
-        token = int(out.tokens[i])
+        self._emit(seq, int(out.tokens[i]), out, i)
+        return True
+
+    def absorb_verified(self, seq: Sequence, draft: list[int], out: StepOutput, first_row: int) -> int:
+        """Fold a verify step's rows (from ``first_row``: ``seq``'s uncomputed tokens, then ``draft``'s) into ``seq``:
+        the first sampled token, and after it each sampled token while the draft token before it was accepted.
+        Stops at a finish or a jump-forward (its forced tokens were not what the later rows saw). Returns the draft
+        tokens accepted; the caller frees the slots past the tokens kept."""
+        uncomputed = seq.num_tokens - seq.num_computed
+        seq.num_computed += uncomputed
+        row = first_row + uncomputed - 1
+        accepted = 0
+        while not seq.finished:
+            token = int(out.tokens[row])
+            output_len = len(seq.output_ids)
+            self._emit(seq, token, out, row)
+            jumped = len(seq.output_ids) != output_len + 1 or seq.output_ids[-1] != token
+            if seq.finished or jumped or accepted == len(draft) or token != draft[accepted]:
+                break
+            seq.num_computed += 1  # the next row computed this very token at this position
+            accepted += 1
+            row += 1
+        return accepted
+
+    def _emit(self, seq: Sequence, token: int, out: StepOutput, i: int) -> None:
+        """Append a sampled token: its logprobs, the grammar's advance, stops and limits, then jump-forward."""
         seq.output_ids.append(token)
         if seq.params.return_logprob:
             seq.output_logprobs.append(float(out.logprobs[i]))
@@ -104,7 +150,6 @@ class OutputProcessor:
                     seq.finish_reason, seq.matched_stop = FinishReason.STOP, seq.detok.matched_stop
         except InvalidRequestError as exc:
             seq.finish_reason, seq.abort_reason, seq.error = FinishReason.ABORT, AbortReason.INVALID_REQUEST, str(exc)
-        return True
 
     def _collect_prompt_logprobs(self, seq: Sequence, start: int, chunk: int, out: Any, i: int) -> None:
         """Logprob of prompt token j comes from position j-1; keep those with j >= logprob_start_len."""

@@ -94,6 +94,10 @@ class TokenConstraint(Protocol):
         """True once no further token can follow (the engine then finishes the request)."""
         ...
 
+    def copy(self) -> TokenConstraint:
+        """An independent state at the same point (speculative decoding walks its drafts through one)."""
+        ...
+
 
 def new_request_id() -> str:
     """Unguessable (128 random bits): a request id is what /abort_request needs, so ids must not be

@@ -37,6 +37,7 @@ class Batch:
     seqs: list[Sequence]
     chunks: list[int]  # new tokens computed for each sequence this step
     stalled: bool = False  # an extend step that running requests waited for
+    decoding: bool = False  # every running request's next tokens (speculative decoding may add drafts)
     # Whether sequence i reaches the end of its tokens this step (and so samples the next one): fixed when
     # the batch is made, as absorbing the step changes the sequence (a jump-forward appends several tokens).
     sampling: list[bool] = dataclasses.field(init=False)
@@ -372,7 +373,7 @@ class Scheduler:
         # Usually one token each; a jump-forward leaves several forced tokens to compute, which turns
         # this step into an extend step over the same running batch.
         chunks = [s.num_tokens - s.num_computed for s in self.running]
-        return Batch(all(c == 1 for c in chunks), list(self.running), chunks)
+        return Batch(all(c == 1 for c in chunks), list(self.running), chunks, decoding=True)
 
     def _grow_prefill(self, seq: Sequence, upto: int) -> bool:
         """``grow`` for a prefill under way; short of slots, newer prefills give theirs back (the newest first), so

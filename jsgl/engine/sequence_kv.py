@@ -51,6 +51,14 @@ class SequenceKV:
         seq.slots = np.concatenate([seq.slots, new])
         return True
 
+    def shrink(self, seq: Sequence, upto: int) -> None:
+        """Give back ``seq``'s own slots past position ``upto`` (whole pages): a verify step's rejected drafts."""
+        page = self.allocator.page_size
+        keep = max(-(-upto // page) * page, seq.num_cached)
+        if len(seq.slots) > keep:
+            self.allocator.free(seq.slots[keep:])
+            seq.slots = seq.slots[:keep]
+
     def _alloc(self, num: int) -> np.ndarray | None:
         if num <= 0:
             return np.zeros(0, np.int32)

@@ -75,6 +75,8 @@ class GrammarConstraint(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def copy(self) -> GrammarConstraint: ...
+
 
 @dataclass
 class ForcedTail:

@@ -169,6 +169,13 @@ class LlguidanceConstraint:
     def is_accepting(self) -> bool:
         return self._eos_taken or self.matcher.is_accepting()
 
+    def copy(self) -> LlguidanceConstraint:
+        """An independent state at the same point (its own matcher)."""
+        other = object.__new__(LlguidanceConstraint)
+        other.__dict__.update(self.__dict__)
+        other.matcher = self.matcher.deep_copy()
+        return other
+
     def forced_tokens(self) -> list[int]:
         """Tokens every continuation starts with (llguidance leaves out a last token a longer one could
         replace, so the result keeps the tokenizer's own splits)."""

@@ -69,6 +69,11 @@ class PrefixCacheBase(abc.ABC):
     def match_len(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Length of the cached prefix, without side effects (for schedule policies)."""
 
+    def continuation(self, tokens: Sequence[int] | np.ndarray, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` cached tokens that follow ``tokens`` when a cached run extends them (the most recently
+        used branch), read-only: speculative decoding's drafts. A cache without token runs has none."""
+        return []
+
     @abc.abstractmethod
     def insert(self, tokens: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> int:
         """Cache tokens -> slots; return how many leading tokens the cache did not take (it already held

@@ -176,6 +176,29 @@ class RadixCache(PrefixCacheBase):
             node = child
         return pos
 
+    def continuation(self, tokens: Sequence[int] | np.ndarray, max_tokens: int) -> list[int]:
+        key = np.asarray(tokens, dtype=np.int32)
+        node, pos, within = self.root, 0, 0  # the walk stands ``within`` tokens into ``node``'s run
+        while pos < len(key):
+            rest = key[pos:]
+            if len(rest) >= self.page_size:
+                child = node.children.get(self._child_key(rest))
+            else:  # a partial page: the child whose first page starts with it
+                child = next((c for c in node.children.values() if np.array_equal(c.key[:len(rest)], rest)), None)
+            if child is None:
+                return []
+            n = min(len(child.key), len(rest))
+            if not np.array_equal(child.key[:n], rest[:n]):
+                return []
+            node, pos, within = child, pos + n, n
+        out: list[int] = []
+        while len(out) < max_tokens:
+            out.extend(node.key[within: within + max_tokens - len(out)].tolist())
+            if not node.children:
+                break
+            node, within = max(node.children.values(), key=lambda c: c.last_access_time), 0
+        return out
+
     def insert(self, tokens: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray) -> int:
         """Cache tokens -> slots; return how many leading tokens were already cached.
 

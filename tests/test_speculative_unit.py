@@ -1,0 +1,193 @@
+"""Speculative decoding's parts on real data structures: n-gram lookup, the radix tree's continuations, a draft cut by
+a real regex constraint, and folding a verify step's rows into a sequence (acceptance, stops and limits inside a
+draft, slots given back)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jsgl.engine.constrained import ConstraintManager
+from jsgl.engine.detokenizer import IncrementalDetokenizer
+from jsgl.engine.kv_pool import SlotAllocator
+from jsgl.engine.model_runner import StepOutput
+from jsgl.engine.output_processor import OutputProcessor
+from jsgl.engine.request import FinishReason, SamplingParams
+from jsgl.engine.sequence import Sequence
+from jsgl.engine.sequence_kv import SequenceKV
+from jsgl.engine.speculative import NgramProposer, SpeculativeSettings, Speculator, grammar_cut, prompt_lookup
+from jsgl.radix.no_cache import NoPrefixCache
+from jsgl.radix.radix_cache import RadixCache
+
+
+def test_prompt_lookup_takes_the_latest_longest_match():
+    tokens = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3])
+    # "1 2 3" occurs at 1 and 5: the later one is followed by 7 8
+    assert prompt_lookup(tokens, 2, 1, 4) == [7, 8]
+    assert prompt_lookup(tokens, 10, 3, 3) == [7, 8, 6, 1, 2, 3]
+    assert prompt_lookup(np.array([4, 5, 6]), 3, 1, 4) == []  # the last token never occurred before
+    assert prompt_lookup(np.array([4]), 3, 1, 4) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
+def test_prompt_lookup_proposes_what_followed_an_earlier_occurrence(tokens, k, min_window, extra):
+    max_window = min_window + extra
+    arr = np.array(tokens)
+    proposal = prompt_lookup(arr, k, min_window, max_window)
+    assert len(proposal) <= k
+    matches = {n: [i for i in range(len(arr) - n) if (arr[i:i + n] == arr[-n:]).all()]
+               for n in range(min_window, min(max_window, len(arr) - 1) + 1)}
+    longest = max((n for n, hits in matches.items() if hits), default=None)
+    if longest is None:
+        assert proposal == []
+        return
+    start = matches[longest][-1] + longest  # the latest occurrence of the longest matching window
+    assert proposal == arr[start: start + k].tolist()
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_radix_continuation_follows_the_most_recent_branch(page):
+    cache = RadixCache(page_size=page)
+    first = list(range(1, 17))
+    cache.insert(first, np.arange(100, 116))
+    assert cache.continuation(first[:5], 3) == [6, 7, 8]  # inside one run, mid-page too
+    assert cache.continuation(first[:8], 20) == first[8:]  # as far as the run goes
+    assert cache.continuation(first, 4) == []  # nothing cached beyond
+    assert cache.continuation([1, 2, 9], 4) == []  # diverges
+    other = first[:8] + [50, 51, 52, 53, 54, 55, 56, 57]
+    cache.insert(other, np.arange(200, 216))
+    cache.match_prefix(other)  # the newest use
+    assert cache.continuation(first[:6], 6) == [7, 8, 50, 51, 52, 53]
+    cache.match_prefix(first)
+    assert cache.continuation(first[:6], 6) == [7, 8, 9, 10, 11, 12]
+    assert NoPrefixCache(page).continuation(first[:4], 4) == []
+
+
+def test_speculator_backs_off_a_request_whose_drafts_fail(tokenizer):
+    seq = _sequence(tokenizer, [1, 2, 3, 1, 2, 3, 1, 2], max_new_tokens=100)
+    spec = Speculator(NgramProposer(NoPrefixCache(1), 1, 4), SpeculativeSettings(num_draft_tokens=3), 10_000)
+    assert spec.draft(seq).tokens == [3, 1, 2]
+    pauses = []
+    for _ in range(4):
+        spec.verified(seq, 3, 0)
+        skipped = 0
+        while spec.draft(seq) is None:
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [1, 2, 4, 8]
+    spec.verified(seq, 3, 2)
+    assert spec.draft(seq) is not None and spec.stats.accepted == 2 and spec.stats.proposed == 15
+    # No room: one sampled token must follow the draft within max_new_tokens.
+    seq.params.max_new_tokens = 1
+    assert spec.draft(seq) is None
+    seq.params.max_new_tokens = 3
+    assert len(spec.draft(seq).tokens) == 2  # two drafts and the token sampled after them
+
+
+def test_grammar_cut_keeps_what_the_regex_allows(tokenizer):
+    manager = ConstraintManager(tokenizer, tokenizer.vocab_size, {tokenizer.eos_token_id}, jump_forward=False)
+    seq = _sequence(tokenizer, tokenizer.encode("Age:"), max_new_tokens=16, regex=r"[0-9]{1,3} years")
+    manager.prepare(seq)
+    manager.activate(seq, 10_000)
+    digits = tokenizer.encode("42", add_special_tokens=False)
+    words = tokenizer.encode(" years old", add_special_tokens=False)
+    draft = grammar_cut(seq, digits + words)
+    allowed = tokenizer.decode(draft.tokens)
+    assert allowed.startswith("42 years") and "old" not in allowed
+    assert len(draft.masks) == len(draft.tokens) + 1
+    for token, mask in zip(draft.tokens, draft.masks):
+        assert (int(mask[token >> 5]) >> (token & 31)) & 1
+    assert seq.constraint.copy() is not seq.constraint  # the request's own state did not move
+    assert grammar_cut(seq, tokenizer.encode("abc", add_special_tokens=False)) is None
+
+
+def _sequence(tokenizer, prompt_ids, *, max_new_tokens, regex=None, stop=None, min_new_tokens=0):
+    params = SamplingParams(max_new_tokens=max_new_tokens, regex=regex, stop=stop, min_new_tokens=min_new_tokens)
+    detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
+    detok.check_stops = min_new_tokens == 0  # as Engine.submit
+    return Sequence(rid="r", prompt_ids=list(prompt_ids), params=params, detok=detok, seed=1,
+                    stop_ids={tokenizer.eos_token_id})
+
+
+def _verify(processor, kv, seq, draft, sampled):
+    """Grow ``seq`` for ``draft``, fold ``sampled`` (the rows' tokens, from its last token's) in, shrink."""
+    kv.grow(seq, seq.num_tokens + len(draft))
+    tokens = np.array(sampled, np.int32)
+    accepted = processor.absorb_verified(seq, draft, StepOutput(tokens, None, None), 0)
+    if not seq.finished:
+        kv.shrink(seq, seq.num_tokens)
+    return accepted
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_verify_accepts_the_agreeing_prefix_and_gives_back_the_rest(tokenizer, page):
+    allocator = SlotAllocator(64, page)
+    kv = SequenceKV(allocator, NoPrefixCache(page))
+    processor = OutputProcessor(ConstraintManager(tokenizer, tokenizer.vocab_size, set(), False),
+                                tokenizer.vocab_size, 10_000)
+    words = tokenizer.encode(" one two three four five six seven eight nine ten", add_special_tokens=False)
+    seq = _sequence(tokenizer, words[:3], max_new_tokens=100)
+    kv.grow(seq, seq.num_tokens)
+    seq.num_computed = 2  # the last prompt token is the one a decode step computes
+    free = allocator.num_free()
+    # Draft w3 w4 w5; the model samples w3 w4 then x: two accepted, and its own x as the third token.
+    assert _verify(processor, kv, seq, words[3:6], [words[3], words[4], 7, 8]) == 2
+    assert seq.output_ids == [words[3], words[4], 7]
+    assert seq.num_computed == 5 and seq.num_tokens == 6 and len(seq.slots) == -(-6 // page) * page
+    assert allocator.num_free() == free - (len(seq.slots) - -(-3 // page) * page)
+    # A draft wholly rejected keeps only the first sample; one wholly accepted adds the bonus token.
+    assert _verify(processor, kv, seq, [11, 12], [13, 14, 15]) == 0
+    assert seq.output_ids[-1] == 13 and seq.num_computed == 6
+    assert _verify(processor, kv, seq, [21, 22], [21, 22, 23]) == 2
+    assert seq.output_ids[-3:] == [21, 22, 23] and seq.num_computed == 9 and seq.num_tokens == 10
+
+
+def test_verify_stops_inside_a_draft(tokenizer):
+    kv = SequenceKV(SlotAllocator(64), NoPrefixCache(1))
+    processor = OutputProcessor(ConstraintManager(tokenizer, tokenizer.vocab_size, set(), False),
+                                tokenizer.vocab_size, 10_000)
+    eos = tokenizer.eos_token_id
+    words = tokenizer.encode(" red green blue", add_special_tokens=False)
+    # EOS accepted inside the draft: the request stops there, the tokens after it are not taken.
+    seq = _sequence(tokenizer, [1, 2], max_new_tokens=100)
+    kv.grow(seq, 2)
+    seq.num_computed = 1
+    assert _verify(processor, kv, seq, [words[0], eos, words[1]], [words[0], eos, words[1], words[2]]) == 1
+    assert seq.finish_reason == FinishReason.STOP and seq.output_ids == [words[0], eos]
+    # ... but not before min_new_tokens (the bias row of that position masks EOS, so the model never samples it).
+    # max_new_tokens inside a draft: the request ends at its budget.
+    seq = _sequence(tokenizer, [1, 2], max_new_tokens=2)
+    kv.grow(seq, 2)
+    seq.num_computed = 1
+    assert _verify(processor, kv, seq, words, [*words, 9]) == 1
+    assert seq.finish_reason == FinishReason.LENGTH and seq.output_ids == words[:2]
+    # A stop string completed inside the draft.
+    seq = _sequence(tokenizer, [1, 2], max_new_tokens=100, stop=[" green"])
+    kv.grow(seq, 2)
+    seq.num_computed = 1
+    _verify(processor, kv, seq, words, [*words, 9])
+    assert seq.finish_reason == FinishReason.STOP and seq.detok.text == " red"
+
+
+def test_verify_rows_sample_as_the_request_would_at_each_position(tokenizer):
+    processor = OutputProcessor(ConstraintManager(tokenizer, tokenizer.vocab_size, set(), False),
+                                tokenizer.vocab_size, 10_000)
+    kv = SequenceKV(SlotAllocator(64), NoPrefixCache(1))
+    seq = _sequence(tokenizer, [1, 2, 3], max_new_tokens=100, min_new_tokens=2)
+    seq.params.frequency_penalty = 0.5
+    seq.output_ids = [7]
+    kv.grow(seq, seq.num_tokens + 2)
+    seq.num_computed = 3
+    from jsgl.engine.speculative import Draft
+
+    rows = processor.verify_items(seq, Draft([8, 8]))
+    assert [int(r.token_ids[0]) for r in rows] == [7, 8, 8] and [r.start_pos for r in rows] == [3, 4, 5]
+    assert [r.step for r in rows] == [1, 2, 3]  # the seeded noise of output positions 1, 2, 3
+    eos = tokenizer.eos_token_id
+    assert rows[0].logit_bias[eos] == -np.inf and rows[1].logit_bias[eos] == 0.0  # min_new_tokens = 2
+    # Row i samples after the output and the draft's first i tokens: the frequency penalty counts them.
+    assert [float(r.logit_bias[8]) for r in rows] == [0.0, -0.5, -1.0]
+    assert [float(r.logit_bias[7]) for r in rows] == [-0.5, -0.5, -0.5]
