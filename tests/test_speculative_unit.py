@@ -17,7 +17,15 @@ from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.request import FinishReason, SamplingParams
 from jsgl.engine.sequence import Sequence
 from jsgl.engine.sequence_kv import SequenceKV
-from jsgl.engine.speculative import NgramProposer, SpeculativeSettings, Speculator, grammar_cut, prompt_lookup
+from jsgl.engine.speculative import (
+    NgramProposer,
+    SpeculativeSettings,
+    Speculator,
+    StepCosts,
+    choose_rows,
+    grammar_cut,
+    prompt_lookup,
+)
 from jsgl.radix.no_cache import NoPrefixCache
 from jsgl.radix.radix_cache import RadixCache
 
@@ -74,10 +82,12 @@ def test_speculator_backs_off_a_request_whose_drafts_fail(tokenizer):
     for _ in range(4):
         spec.verified(seq, 3, 0)
         skipped = 0
-        while spec.draft(seq) is None:
+        while spec.draft(seq) is None:  # paused by the request's own progress: each token it gains counts
+            seq.output_ids.append(3)
             skipped += 1
         pauses.append(skipped)
     assert pauses == [1, 2, 4, 8]
+    seq.output_ids.clear()
     spec.verified(seq, 3, 2)
     assert spec.draft(seq) is not None and spec.stats.accepted == 2 and spec.stats.proposed == 15
     # No room: one sampled token must follow the draft within max_new_tokens.
@@ -85,6 +95,54 @@ def test_speculator_backs_off_a_request_whose_drafts_fail(tokenizer):
     assert spec.draft(seq) is None
     seq.params.max_new_tokens = 3
     assert len(spec.draft(seq).tokens) == 2  # two drafts and the token sampled after them
+
+
+def test_acceptance_record_follows_what_was_accepted(tokenizer):
+    seq = _sequence(tokenizer, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], max_new_tokens=100)
+    spec = Speculator(NgramProposer(NoPrefixCache(1), 1, 4), SpeculativeSettings(num_draft_tokens=4), 10_000)
+    assert spec.acceptance(seq) == 0.5  # no record yet
+    spec.verified(seq, 4, 4)
+    high = spec.acceptance(seq)
+    spec.verified(seq, 4, 1)  # one accepted, then a rejection: two trials
+    assert 0.5 < spec.acceptance(seq) < high
+    for _ in range(6):
+        spec.verified(seq, 2, 0)
+    assert spec.acceptance(seq) < 0.3
+    spec.forget(seq)
+    assert spec.acceptance(seq) == 0.5
+
+
+CPU_COSTS = {1: 1.0, 2: 1.27, 4: 1.61, 8: 2.72, 16: 4.36, 32: 9.0}
+
+
+def test_choose_rows_verifies_what_pays_for_its_rows():
+    costs = StepCosts(CPU_COSTS)
+    # One request, a likely draft: 4 rows (1.61x a step) for up to 1 + .9 + .81 + .73 expected tokens.
+    assert choose_rows(1, 1, [4], [0.9], costs, 64) == [3]
+    assert choose_rows(1, 1, [4], [0.1], costs, 64) == [0]  # unlikely: not worth any row
+    # Four requests: likely drafts pay for 16 rows, even chances for none.
+    assert choose_rows(4, 4, [3] * 4, [0.9] * 4, costs, 64) == [3] * 4  # 16 rows: 13.8 tokens for 2.7x
+    assert choose_rows(4, 4, [3] * 4, [0.5] * 4, costs, 64) == [0] * 4
+    # Sixteen: 32 rows cost 2.1x 16 rows on this profile, more than even near-certain drafts bring.
+    assert choose_rows(16, 16, [3] * 16, [0.97] * 16, costs, 64) == [0] * 16
+    # A memory-bound profile (none: every row count costs the same): every draft token, up to max_rows.
+    assert choose_rows(3, 3, [4, 4, 4], [0.3] * 3, StepCosts(None), 64) == [4, 4, 4]
+    assert sum(choose_rows(3, 3, [4, 4, 4], [0.3] * 3, StepCosts(None), 8)) == 5
+    # The most likely tokens first: a prefix of each draft, the likelier request's further.
+    keep = choose_rows(2, 2, [4, 4], [0.9, 0.6], costs, 64)
+    assert keep[0] >= keep[1] and sum(keep) + 2 in (2, 4, 8)
+
+
+def test_step_costs_learn_this_machine():
+    costs = StepCosts(CPU_COSTS)
+    for _ in range(3):
+        costs.observe(1, 0.010)
+    assert costs.cost(1) == pytest.approx(0.010)
+    assert costs.cost(8) == pytest.approx(0.0272)  # the profile, scaled to what was seen
+    for _ in range(3):
+        costs.observe(8, 0.010)  # a machine where 8 rows cost what 1 does (a memory-bound step)
+    assert costs.cost(8) == pytest.approx(0.010) and costs.cost(4) == pytest.approx(0.010)
+    assert choose_rows(1, 1, [4], [0.6], costs, 64) == [4]  # free rows: the whole draft (5 rows -> 8)
 
 
 def test_grammar_cut_keeps_what_the_regex_allows(tokenizer):
@@ -155,14 +213,14 @@ def test_verify_stops_inside_a_draft(tokenizer):
     seq = _sequence(tokenizer, [1, 2], max_new_tokens=100)
     kv.grow(seq, 2)
     seq.num_computed = 1
-    assert _verify(processor, kv, seq, [words[0], eos, words[1]], [words[0], eos, words[1], words[2]]) == 1
+    assert _verify(processor, kv, seq, [words[0], eos, words[1]], [words[0], eos, words[1], words[2]]) == 2
     assert seq.finish_reason == FinishReason.STOP and seq.output_ids == [words[0], eos]
     # ... but not before min_new_tokens (the bias row of that position masks EOS, so the model never samples it).
     # max_new_tokens inside a draft: the request ends at its budget.
     seq = _sequence(tokenizer, [1, 2], max_new_tokens=2)
     kv.grow(seq, 2)
     seq.num_computed = 1
-    assert _verify(processor, kv, seq, words, [*words, 9]) == 1
+    assert _verify(processor, kv, seq, words, [*words, 9]) == 2  # both agreed; the second ends the request
     assert seq.finish_reason == FinishReason.LENGTH and seq.output_ids == words[:2]
     # A stop string completed inside the draft.
     seq = _sequence(tokenizer, [1, 2], max_new_tokens=100, stop=[" green"])

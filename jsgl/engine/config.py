@@ -123,8 +123,9 @@ class EngineConfig:
         self.speculative_algorithm = self.speculative_algorithm.lower()  # SGLang spells it NGRAM
         if self.speculative_algorithm not in ("none", "ngram"):
             raise ValueError(f"speculative_algorithm must be none or ngram, not {self.speculative_algorithm!r}")
+        max_batch = self.speculative_max_batch
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size \
-                or self.speculative_num_draft_tokens < 1 or (self.speculative_max_batch or 1) < 1:
+                or self.speculative_num_draft_tokens < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("speculative_num_draft_tokens >= 1, speculative_max_batch >= 1 and 1 <= "
                              "speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         if self.mixed_prefill_tokens < 0 or not 0 < self.prefill_share <= 1:

@@ -18,13 +18,13 @@ from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.mailbox import Mailbox
 from jsgl.engine.metrics import EngineMetrics
-from jsgl.engine.model_runner import ModelRunner, PendingStep
+from jsgl.engine.model_runner import ModelRunner, PendingStep, bucket
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import Overlapped, OverlapScheduler
 from jsgl.engine.request import AbortReason, FinishReason, InvalidRequestError
 from jsgl.engine.scheduler import Batch, Scheduler
 from jsgl.engine.sequence import Sequence
-from jsgl.engine.speculative import Draft, Speculator
+from jsgl.engine.speculative import Draft, Speculator, choose_rows
 from jsgl.engine.step_inputs import ForwardItem
 from jsgl.fsm import release_index
 from jsgl.radix.cache_base import PrefixCacheBase
@@ -157,8 +157,10 @@ class EngineLoop:
         if self.speculator is not None and batch.decoding:
             drafts = self._drafts(batch)
             if drafts is not None:
-                self._verify(batch, drafts)
-                self._account(batch, time.perf_counter() - t0)
+                rows = self._verify(batch, drafts)
+                seconds = time.perf_counter() - t0
+                self.speculator.costs.observe(bucket(rows), seconds)
+                self._account(batch, seconds)
                 return batch
         rows: list[int] = []  # batch positions that made it into the step
         items = []
@@ -170,7 +172,10 @@ class EngineLoop:
                 self._fail_one(seq, "preparing its step inputs")
         results = self._run_isolated(batch, rows, items)
         self._absorb(batch, rows, results)
-        self._account(batch, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if self.speculator is not None and batch.is_decode and self._inflight is None:
+            self.speculator.costs.observe(bucket(len(items)), seconds)  # what a step of these rows costs here
+        self._account(batch, seconds)
         return batch
 
     def _account(self, batch: Batch, seconds: float) -> None:
@@ -204,29 +209,41 @@ class EngineLoop:
     # ---------------------------------------------------------------------------- speculative decoding
     def _drafts(self, batch: Batch) -> dict[int, Draft] | None:
         """Drafts for a batch of the running requests (by batch position; their slots grown), or None when the step
-        is better run as it is: no drafts and no jump-forward run to fold in, or more rows than a decode step has."""
+        is better run as it is: no drafts and no jump-forward run to fold in, more requests than ``max_batch``, or more
+        rows than a decode step has."""
         speculator, kv = self.speculator, self.scheduler.kv
-        room = self.config.max_running_requests - sum(batch.chunks)
+        base_rows = sum(batch.chunks)
+        # Above max_batch a jump-forward's run stays an extend step too: as rows, each of its tokens would pay for
+        # the LM head, which an extend step computes for the sampled tokens only.
+        if base_rows > self.config.max_running_requests or len(batch.seqs) > speculator.settings.max_batch:
+            return None
+        proposed: dict[int, Draft] = {}
+        for i, seq in enumerate(batch.seqs):
+            try:
+                draft = speculator.draft(seq)
+            except Exception:  # e.g. a grammar backend's error on a copied state: no draft, not a failed step
+                log.warning("request %s: no draft (proposing failed)", seq.rid, exc_info=True)
+                draft = None
+            if draft is not None:
+                proposed[i] = draft
+        keep = choose_rows(base_rows, len(batch.seqs), [len(d.tokens) for d in proposed.values()],
+                           [speculator.acceptance(batch.seqs[i]) for i in proposed], speculator.costs,
+                           self.config.max_running_requests)
         drafts: dict[int, Draft] = {}
-        if len(batch.seqs) <= speculator.settings.max_batch:
-            for i, seq in enumerate(batch.seqs):
-                draft = speculator.draft(seq) if room > 0 else None
-                if draft is not None:
-                    draft.tokens = draft.tokens[:room]
-                    if kv.grow(seq, seq.num_tokens + len(draft.tokens)):
-                        drafts[i] = draft
-                        room -= len(draft.tokens)
-        if (not drafts and batch.is_decode) or room < 0:
+        for (i, draft), n in zip(proposed.items(), keep):
+            draft.tokens = draft.tokens[:n]
+            if n and kv.grow(batch.seqs[i], batch.seqs[i].num_tokens + n, evict=False):
+                drafts[i] = draft
+            elif not n:  # not worth its rows now: asks again later (and meanwhile lets steps overlap)
+                speculator.passed_over(batch.seqs[i])
+        if not drafts and batch.is_decode:
             return None
         return drafts
 
-    def _verify(self, batch: Batch, drafts: dict[int, Draft]) -> None:
+    def _verify(self, batch: Batch, drafts: dict[int, Draft]) -> int:
         """One decode step of one-token rows: each request's uncomputed tokens and its draft; then fold in what each
-        accepted, and give back the slots of what it did not."""
-        if not batch.is_decode:  # a jump-forward's run was to make this an extend step: it is a decode step now
-            batch.is_decode = True
-            self.scheduler.stats.extend_steps -= 1
-            self.scheduler.stats.decode_steps += 1
+        accepted, and give back the slots of what it did not. Returns the rows computed."""
+        self.scheduler.count_as_decode(batch)  # a jump-forward's run made it an extend step: no longer
         items: list[ForwardItem] = []
         spans: list[tuple[int, int]] = []  # (batch position, its first row)
         for i, seq in enumerate(batch.seqs):
@@ -248,7 +265,7 @@ class EngineLoop:
             rows = [i for i, _ in spans]
             items = [self.outputs.forward_item(batch.seqs[i], batch.chunks[i], True) for i in rows]
             self._absorb(batch, rows, self._run_isolated(batch, rows, items))
-            return
+            return len(items)
         metrics = self.metrics
         now = time.monotonic() if metrics is not None else 0.0
         for i, first in spans:
@@ -268,12 +285,15 @@ class EngineLoop:
             self._publish(seq)
         self.speculator.stats.verify_steps += bool(drafts)
         self.scheduler.after_step(batch)
+        return len(items)
 
     def _follow(self, batch: Batch, items: list[ForwardItem], pending: PendingStep) -> Overlapped | None:
         """Overlap the next decode step behind ``pending`` unless a request waits to be admitted."""
         if self.pending or self.mailbox.has_news():
             return None
-        if self.speculator is not None and len(batch.seqs) <= self.speculator.settings.max_batch:
+        speculator = self.speculator
+        if speculator is not None and len(batch.seqs) <= speculator.settings.max_batch \
+                and any(speculator.may_draft(seq) for seq in batch.seqs):
             return None  # the next step may verify drafts, which depend on this one's tokens
         return self.overlap.follow(batch, items, pending, self._dispatch)
 

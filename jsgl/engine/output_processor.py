@@ -111,8 +111,9 @@ class OutputProcessor:
     def absorb_verified(self, seq: Sequence, draft: list[int], out: StepOutput, first_row: int) -> int:
         """Fold a verify step's rows (from ``first_row``: ``seq``'s uncomputed tokens, then ``draft``'s) into ``seq``:
         the first sampled token, and after it each sampled token while the draft token before it was accepted.
-        Stops at a finish or a jump-forward (its forced tokens were not what the later rows saw). Returns the draft
-        tokens accepted; the caller frees the slots past the tokens kept."""
+        Stops at a finish or a jump-forward (its forced tokens were not what the later rows saw). Returns how many draft
+        tokens the model agreed with (the last one may end the request or start a jump: the rows after it are not
+        used); the caller frees the slots past the tokens kept."""
         uncomputed = seq.num_tokens - seq.num_computed
         seq.num_computed += uncomputed
         row = first_row + uncomputed - 1
@@ -122,10 +123,12 @@ class OutputProcessor:
             output_len = len(seq.output_ids)
             self._emit(seq, token, out, row)
             jumped = len(seq.output_ids) != output_len + 1 or seq.output_ids[-1] != token
-            if seq.finished or jumped or accepted == len(draft) or token != draft[accepted]:
+            if accepted == len(draft) or token != draft[accepted]:
+                break
+            accepted += 1
+            if seq.finished or jumped:
                 break
             seq.num_computed += 1  # the next row computed this very token at this position
-            accepted += 1
             row += 1
         return accepted
 

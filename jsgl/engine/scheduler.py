@@ -118,7 +118,7 @@ class Scheduler:
             batch = self._schedule_mixed()
             if batch is not None:
                 self.count_step(batch.is_decode, len(batch.seqs))
-                self.stats.mixed_steps += not batch.is_decode
+                self.stats.mixed_steps += not (batch.is_decode or batch.decoding)  # decoding: no prefill in it
             return batch
         if not self.running:
             self._prefill_debt = 0.0
@@ -146,6 +146,15 @@ class Scheduler:
             self._prefill_debt += seconds * (1.0 - self.prefill_share) / self.prefill_share
         elif batch.is_decode or not batch.stalled:
             self._prefill_debt = max(0.0, self._prefill_debt - seconds) if self.running else 0.0
+
+    def count_as_decode(self, batch: Batch) -> None:
+        """A running batch with a jump-forward's run, scheduled as an extend step, ran as a decode step (speculative
+        decoding's verify rows): counted and remembered as one."""
+        if not batch.is_decode:
+            batch.is_decode = True
+            self.stats.extend_steps -= 1
+            self.stats.decode_steps += 1
+            self._last_was_extend = False
 
     def count_step(self, is_decode: bool, num_requests: int) -> None:
         """Count a step in the stats (also one the engine dispatched without scheduling: overlap)."""

@@ -39,13 +39,14 @@ class SequenceKV:
         seq.num_computed = seq.num_cached = usable
         self.cache.inc_lock_ref(node)
 
-    def grow(self, seq: Sequence, upto: int) -> bool:
-        """Make sure ``seq`` has slots for positions [0, upto), evicting from the cache if short; False when
-        they cannot be had (the engine's overlapped decode step asks for the position after the last token)."""
+    def grow(self, seq: Sequence, upto: int, evict: bool = True) -> bool:
+        """Make sure ``seq`` has slots for positions [0, upto), evicting from the cache if short (unless not
+        ``evict``: a speculative draft is not worth a cached prefix); False when they cannot be had (the engine's
+        overlapped decode step asks for the position after the last token)."""
         missing = upto - len(seq.slots)
         if missing <= 0:
             return True
-        new = self._alloc(missing)
+        new = self._alloc(missing) if evict else self.allocator.alloc(missing)
         if new is None:
             return False
         seq.slots = np.concatenate([seq.slots, new])

@@ -31,8 +31,13 @@ from jsgl.radix.cache_base import PrefixCacheBase
 
 ALGORITHMS = ("none", "ngram")
 # Decode batches above this many requests get no drafts, per platform (docs/performance.md, speculative decoding).
-DEFAULT_MAX_BATCH = {"cpu": 16, "gpu": 16, "tpu": 16}
-MAX_BACKOFF_STEPS = 32  # a request whose drafts keep failing still tries every this many steps
+DEFAULT_MAX_BATCH = {"cpu": 8, "gpu": 64, "tpu": 64}
+MAX_BACKOFF_STEPS = 32  # a request whose drafts keep failing still tries every this many tokens
+RECORD_DECAY = 0.7  # weight of a request's older drafts in its acceptance record, per verify step
+# Decode step seconds by rows on one machine, relative (2 CPU cores, SmolLM2-135M, ~100-token contexts; 1 row = 7.6 ms,
+# docs/performance.md): a draft row costs about a quarter of a step from 4 rows up. Accelerators have no profile
+# yet (unmeasured): a step costs the same at any row count up to the batch limit, as a memory-bound decode would.
+STEP_COST_PROFILE = {"cpu": {1: 1.0, 2: 1.27, 4: 1.61, 8: 2.72, 16: 4.36, 32: 9.0}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,26 +110,36 @@ def make_speculator(config: Any, prefix_cache: PrefixCacheBase, token_limit: int
     settings = SpeculativeSettings(config.speculative_num_draft_tokens, config.speculative_ngram_min_match_window_size,
                                    config.speculative_ngram_max_match_window_size,
                                    config.speculative_max_batch or DEFAULT_MAX_BATCH.get(platform, 16))
-    return Speculator(NgramProposer(prefix_cache, settings.min_window, settings.max_window), settings, token_limit)
+    return Speculator(NgramProposer(prefix_cache, settings.min_window, settings.max_window), settings, token_limit,
+                      STEP_COST_PROFILE.get(platform))
 
 
 class Speculator:
     """Decides each request's draft for a step and learns from what was accepted."""
 
-    def __init__(self, proposer: DraftProposer, settings: SpeculativeSettings, token_limit: int):
+    def __init__(self, proposer: DraftProposer, settings: SpeculativeSettings, token_limit: int,
+                 platform_costs: dict[int, float] | None = None):
         self.proposer = proposer
         self.settings = settings
         self.token_limit = token_limit
         self.stats = SpeculativeStats()
-        self._backoff: dict[str, tuple[int, int]] = {}  # rid -> (steps left without drafts, current backoff)
+        # rid -> (output length from which it drafts again, current backoff): paused by its own progress, so steps
+        # that do not ask (overlapped ones) count too.
+        self._backoff: dict[str, tuple[int, int]] = {}
+        # rid -> (accepted, trials) of its draft tokens, decayed: a draft token is accepted with probability
+        # (accepted + 1) / (trials + 2), the next after it with that squared, ...
+        self._record: dict[str, tuple[float, float]] = {}
+        self.costs = StepCosts(platform_costs)
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """Whether ``seq`` would look for a draft now (not backed off, no logprobs asked)."""
+        # A verified token's logprob would need every row's logprobs: such requests decode token by token.
+        return not seq.params.return_logprob and len(seq.output_ids) >= self._backoff.get(seq.rid, (0, 0))[0]
 
     def draft(self, seq: Sequence) -> Draft | None:
-        """``seq``'s draft for this step, or None (no guess, backed off, asks for logprobs, or no room)."""
-        if seq.params.return_logprob:  # a verified token's logprob would need every row's: not supported yet
-            return None
-        skip, backoff = self._backoff.get(seq.rid, (0, 0))
-        if skip > 0:
-            self._backoff[seq.rid] = (skip - 1, backoff)
+        """``seq``'s draft for this step, or None (no guess, backed off, asks for logprobs, or no room). A request
+        whose text offers no guess backs off as one whose draft was rejected."""
+        if not self.may_draft(seq):
             return None
         # Room: one sampled token follows the draft, within the request's budget and the pool's token limit.
         room = min(self.settings.num_draft_tokens, seq.max_new_tokens - len(seq.output_ids) - 1,
@@ -133,28 +148,108 @@ class Speculator:
             return None
         tokens = self.proposer.propose(seq, room)
         if not tokens:
+            self._back_off(seq)
             return None
         if seq.constraint is None:
             return Draft(tokens)
         return grammar_cut(seq, tokens)
 
+    def acceptance(self, seq: Sequence) -> float:
+        """The chance that ``seq``'s next draft token is accepted (each further one: this times the one before)."""
+        accepted, trials = self._record.get(seq.rid, (0.0, 0.0))
+        return (accepted + 1.0) / (trials + 2.0)
+
     def verified(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """``accepted`` of ``proposed`` draft tokens were kept: a wholly rejected draft doubles the pause."""
+        """``accepted`` of ``proposed`` draft tokens were kept (the model agreed with them): the request's record,
+        and a wholly rejected draft doubles its pause."""
         s = self.stats
         s.proposed += proposed
         s.accepted += accepted
         s.drafted_requests += 1
+        past_accepted, past_trials = self._record.get(seq.rid, (0.0, 0.0))
+        trials = accepted + (accepted < proposed)  # tokens after the first rejected one were never tried
+        self._record[seq.rid] = (RECORD_DECAY * past_accepted + accepted, RECORD_DECAY * past_trials + trials)
         if accepted == 0:
-            _, backoff = self._backoff.get(seq.rid, (0, 0))
-            backoff = min(max(1, 2 * backoff), MAX_BACKOFF_STEPS)
-            self._backoff[seq.rid] = (backoff, backoff)
+            self._back_off(seq)
         else:
             self._backoff.pop(seq.rid, None)
 
+    def passed_over(self, seq: Sequence) -> None:
+        """``seq``'s draft was not worth its rows in this step (choose_rows): it pauses as after a miss."""
+        self._back_off(seq)
+
+    def _back_off(self, seq: Sequence) -> None:
+        """No draft for the next 1, 2, 4, ... tokens of ``seq`` (up to MAX_BACKOFF_STEPS) after each miss in a row."""
+        backoff = min(max(1, 2 * self._backoff.get(seq.rid, (0, 0))[1]), MAX_BACKOFF_STEPS)
+        self._backoff[seq.rid] = (len(seq.output_ids) + backoff, backoff)
+
     def forget(self, seq: Sequence) -> None:
         self._backoff.pop(seq.rid, None)
+        self._record.pop(seq.rid, None)
 
 
+class StepCosts:
+    """What a decode step of R rows (a power of two) costs, relative to others: the engine's own timings (a decayed
+    mean per row count, once seen a few times), else the platform's measured profile scaled to what was seen."""
+
+    def __init__(self, profile: dict[int, float] | None):
+        self.profile = dict(profile or {})
+        self._seen: dict[int, tuple[float, int]] = {}  # rows -> (mean seconds, observations)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        mean, count = self._seen.get(rows, (seconds, 0))
+        self._seen[rows] = (mean + (seconds - mean) / min(count + 1, 16), count + 1)
+
+    def cost(self, rows: int) -> float:
+        seen = {r: mean for r, (mean, count) in self._seen.items() if count >= 3}
+        if rows in seen:
+            return seen[rows]
+        prior = self._prior(rows)
+        anchors = [r for r in seen if self._prior(r) > 0]
+        if not anchors:
+            return prior
+        anchor = min(anchors, key=lambda r: abs(r.bit_length() - rows.bit_length()))
+        estimate = prior * seen[anchor] / self._prior(anchor)
+        # Never below what fewer rows were seen to cost, nor above what more rows were.
+        estimate = max([estimate, *(mean for r, mean in seen.items() if r < rows)])
+        return min([estimate, *(mean for r, mean in seen.items() if r > rows)])
+
+    def _prior(self, rows: int) -> float:
+        """The profile's cost, linear between its row counts (flat where it has none: a memory-bound step)."""
+        if not self.profile:
+            return 1.0
+        points = sorted(self.profile.items())
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, c0), (r1, c1) in zip(points, points[1:]):
+            if rows <= r1:
+                return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+        (r0, c0), (r1, c1) = points[-2], points[-1]
+        return c1 + (c1 - c0) * (rows - r1) / (r1 - r0)
+
+
+def choose_rows(base_rows: int, num_requests: int, lengths: list[int], acceptance: list[float], costs: StepCosts,
+                max_rows: int) -> list[int]:
+    """How many tokens of each draft a step verifies: the row count (a power of two, at most ``max_rows``; padding
+    rows cost what draft rows do) with the most expected tokens per second of step. A draft's j-th token adds
+    ``acceptance ** j`` expected tokens; the most likely ones fill the rows first (a prefix of each draft)."""
+    gains = sorted(((a ** j, i) for i, (n, a) in enumerate(zip(lengths, acceptance)) for j in range(1, n + 1)),
+                   reverse=True)
+    smallest = 1 << max(0, (base_rows - 1).bit_length())
+    best_value, best_extra = num_requests / costs.cost(smallest), 0
+    rows = smallest
+    while True:
+        extra = min(rows - base_rows, len(gains))
+        value = (num_requests + sum(g for g, _ in gains[:extra])) / costs.cost(rows)
+        if value > best_value:
+            best_value, best_extra = value, extra
+        if rows >= max_rows or extra == len(gains):
+            break
+        rows *= 2
+    keep = [0] * len(lengths)
+    for _, i in gains[:best_extra]:
+        keep[i] += 1
+    return keep
 def grammar_cut(seq: Sequence, tokens: list[int]) -> Draft | None:
     """``tokens`` walked through a copy of ``seq``'s constraint: kept up to the first the grammar forbids (or a stop
     token: the request would end there), with the mask before each kept token and after the last."""

@@ -183,8 +183,9 @@ class RadixCache(PrefixCacheBase):
             rest = key[pos:]
             if len(rest) >= self.page_size:
                 child = node.children.get(self._child_key(rest))
-            else:  # a partial page: the child whose first page starts with it
-                child = next((c for c in node.children.values() if np.array_equal(c.key[:len(rest)], rest)), None)
+            else:  # a partial page: the most recently used child whose first page starts with it
+                child = max((c for c in node.children.values() if np.array_equal(c.key[:len(rest)], rest)),
+                            key=lambda c: c.last_access_time, default=None)
             if child is None:
                 return []
             n = min(len(child.key), len(rest))
