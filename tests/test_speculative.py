@@ -93,6 +93,21 @@ def test_constrained_greedy_tokens_are_the_same_and_jumps_ride_decode_steps(plai
     assert_no_leak(spec)
 
 
+def test_logprobs_of_verified_tokens_are_their_rows(plain, spec):
+    params = SamplingParams(max_new_tokens=24, temperature=0, return_logprob=True, top_logprobs_num=3)
+    prompts = chat(plain, COPYING)
+    for engine in (plain, spec):
+        engine.flush_cache()
+    before = spec.stats()["speculative"]["accepted"]
+    got, want = spec.generate(prompts, params, progress=False), plain.generate(prompts, params, progress=False)
+    assert spec.stats()["speculative"]["accepted"] > before
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+        assert [[t for _, t in top] for top in a.output_top_logprobs] == \
+            [[t for _, t in top] for top in b.output_top_logprobs]
+
+
 def test_seeded_sampling_gives_the_same_tokens(plain, spec):
     params = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, frequency_penalty=0.3, sampling_seed=11)
     prompts = COPYING + CHAT

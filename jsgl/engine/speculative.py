@@ -132,12 +132,11 @@ class Speculator:
         self.costs = StepCosts(platform_costs)
 
     def may_draft(self, seq: Sequence) -> bool:
-        """Whether ``seq`` would look for a draft now (not backed off, no logprobs asked)."""
-        # A verified token's logprob would need every row's logprobs: such requests decode token by token.
-        return not seq.params.return_logprob and len(seq.output_ids) >= self._backoff.get(seq.rid, (0, 0))[0]
+        """Whether ``seq`` would look for a draft now (not backed off). A verified token's logprobs are its row's."""
+        return len(seq.output_ids) >= self._backoff.get(seq.rid, (0, 0))[0]
 
     def draft(self, seq: Sequence) -> Draft | None:
-        """``seq``'s draft for this step, or None (no guess, backed off, asks for logprobs, or no room). A request
+        """``seq``'s draft for this step, or None (no guess, backed off, or no room). A request
         whose text offers no guess backs off as one whose draft was rejected."""
         if not self.may_draft(seq):
             return None
