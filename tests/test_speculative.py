@@ -169,3 +169,21 @@ def test_limits_stops_and_aborts_inside_drafts_leak_nothing(plain, spec):
     for handle in handles:
         handle.result(timeout=120)
     assert_no_leak(spec)
+
+
+def test_pages_of_sixteen_as_on_an_accelerator():
+    """The GPU/TPU default page size: rejected drafts give back whole pages only, a request's cached prefix is whole
+    pages; the same greedy tokens (plain and JSON) and no page leaked."""
+    outputs = {}
+    for algorithm in ("none", "ngram"):
+        engine = Engine(kv_cache_gb=0.05, page_size=16, precompile="off", speculative_algorithm=algorithm)
+        try:
+            got = tokens(engine, COPYING[:2], max_new_tokens=32) + tokens(engine, COPYING[:2], max_new_tokens=32)
+            got += tokens(engine, ["A person as JSON."], max_new_tokens=48, json_schema=PERSON)
+            outputs[algorithm] = got
+            if algorithm == "ngram":
+                assert engine.stats()["speculative"]["accepted"] > 0
+            assert_no_leak(engine)
+        finally:
+            engine.shutdown()
+    assert outputs["ngram"] == outputs["none"]
