@@ -85,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=None, help="--speculative-max-batch (default: the platform's)")
     ap.add_argument("--fold", action="store_true",
                     help="also an engine that folds jump-forward into decode steps but proposes no drafts")
+    ap.add_argument("--precompile", default="background", choices=["background", "common", "off"],
+                    help="the engines' precompile (background: waited for before the first run)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
     from jsgl.engine.engine import Engine
 
-    common = dict(kv_cache_gb=0.5, max_running_requests=max(64, max(args.batches)))
+    common = dict(kv_cache_gb=0.5, max_running_requests=max(64, max(args.batches)), precompile=args.precompile)
     engines = {"off": Engine(**common),
                "on": Engine(**common, speculative_algorithm="ngram", speculative_num_draft_tokens=args.draft_tokens,
                             speculative_max_batch=args.max_batch)}
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         engines["fold"] = Engine(**common, speculative_algorithm="ngram", speculative_max_batch=args.max_batch)
         engines["fold"].loop.speculator.proposer = NoDrafts()
     for engine in engines.values():
-        engine.wait_compiled()
+        if args.precompile != "off":
+            engine.wait_compiled()
     rows = []
     for workload in args.workloads:
         for batch in args.batches:

@@ -62,6 +62,8 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
                         None),
     "bench replicas": (["bench", "replicas", "--quick", "--precompile", "off"], None),  # Ray + sglang-router
+    "bench speculative": (["bench", "speculative", "--workloads", "json", "--batches", "1", "--requests-b1", "1",
+                           "--rounds", "1", "--fold", "--precompile", "off"], None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
     "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA from shapes: ~10 s
     "bench loading": (["bench", "loading", "--layers", "1", "--vocab", "4096", "--rounds", "1"], None),
@@ -340,6 +342,13 @@ def test_bench_serve(results):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
     assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
     assert all(r[-1] == "0" for r in rows.values()), out
+
+
+def test_bench_speculative(results):
+    out, _ = finished(results, "bench speculative")
+    row = next(line for line in out.splitlines() if line.startswith("| json | 1 |"))
+    assert row.endswith("| True |"), out  # the same outputs with speculation as without
+    assert "folded, no drafts:" in out and "acceptance length" in out, out
 
 
 def test_bench_replicas(results):
