@@ -36,7 +36,7 @@ GQA = [(4, 1), (8, 2), (8, 1)]  # (Hq, Hkv): group 4, 4 with 2 KV heads, 8
 GQA_ONE = (2, 2)  # group 1
 
 
-def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0):
+def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0, head_dim=HEAD_DIM):
     """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order).
     ``dtype="int8"``: the 8-bit format (an Int8Pool of per-token scales) with bfloat16 queries."""
     quantized = dtype == "int8"
@@ -59,10 +59,10 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
     meta = AttentionMetadata(positions=jnp.asarray(positions), q_start=jnp.asarray(q_start),
                              q_len=jnp.asarray(q_lens), block_table=jnp.asarray(table),
                              kv_lens=jnp.asarray(kv_lens), max_q_len=max(1, int(q_lens.max())), page_size=PAGE)
-    pool_shape = (num_kv_heads, num_pages * PAGE, HEAD_DIM)
+    pool_shape = (num_kv_heads, num_pages * PAGE, head_dim)
     k = jnp.asarray(rng.standard_normal(pool_shape), dtype)
     v = jnp.asarray(rng.standard_normal(pool_shape), dtype)
-    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, HEAD_DIM)), dtype)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), dtype)
     if quantized:
         k, v = Int8Pool(*kv_quant.quantize(k)), Int8Pool(*kv_quant.quantize(v))
     return q, k, v, meta
@@ -70,8 +70,9 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
 
 def max_error(q, k, v, meta, **blocks):
     """Max |kernel - reference| over the tokens some request owns (padding tokens: zeros in the kernel)."""
-    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, SCALE)
-    fn = functools.partial(tpu_paged_attention, scale=SCALE, interpret=True, **blocks)
+    scale = q.shape[-1] ** -0.5  # of the true head_dim, however far the kernel pads it
+    ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, scale)
+    fn = functools.partial(tpu_paged_attention, scale=scale, interpret=True, **blocks)
     out = jax.jit(fn)(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     owned = np.asarray(meta.positions) >= 0
@@ -100,6 +101,17 @@ CASES = {
 def test_matches_reference(batch, heads, dtype):
     kv_lens, q_lens, extra_tokens = CASES[batch]
     q, k, v, meta = make_case(len(batch) + heads[0], *heads, kv_lens, q_lens, dtype=dtype, extra_tokens=extra_tokens)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+# Model head sizes: SmolLM2's 64 and an odd 80 (padded to 128 lanes in the kernel, the pages not), Llama-3's 128.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("batch", ["decode", "extend"])
+def test_head_dims(batch, head_dim, dtype):
+    kv_lens, q_lens, extra_tokens = CASES[batch]
+    q, k, v, meta = make_case(head_dim, 8, 2, kv_lens, q_lens, dtype=dtype, extra_tokens=extra_tokens,
+                              head_dim=head_dim)
     assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
 
 
@@ -157,6 +169,29 @@ def test_lowers_for_tpu(kind, monkeypatch):
     text = lowering.lower_for(fn, *args, platform="tpu").as_text()
     assert text.count("tpu_custom_call") == 1
     assert "jsgl_ragged_paged_attention" in text
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("tokens", [8, 256])  # decode-sized and extend-sized
+def test_padded_head_dim_lowers_for_tpu(tokens, head_dim, kv_dtype, kind, monkeypatch):
+    # SmolLM2-like heads (9 query heads over 3 KV heads) of 64 and 80: the Mosaic kernel sees q and its output 128
+    # lanes wide; the pages stay [Hkv, pages, 16, head_dim] and the result is sliced back to head_dim.
+    monkeypatch.setitem(lowering.TARGET_KINDS, "tpu", (kind, 1, "tpu"))
+    pages, batch = 512, 8
+    s = jax.ShapeDtypeStruct
+    values = s((3, pages, 16, head_dim), kv_dtype)
+    args = [s((tokens, 9, head_dim), jnp.bfloat16), values, values, s((batch * 64,), jnp.int32),
+            s((batch + 1,), jnp.int32), s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32)]
+    if kv_dtype == jnp.int8:
+        args += [s((3, pages, 16), jnp.float32)] * 2
+    fn = jax.jit(functools.partial(ragged_paged_attention, scale=head_dim**-0.5, block_q=16, pages_per_block=8))
+    lowered = lowering.lower_for(fn, *args, platform="tpu")
+    text = lowered.as_text()
+    assert text.count("tpu_custom_call") == 1 and "jsgl_ragged_paged_attention" in text
+    assert re.search(r"tpu_custom_call[^\n]*\(tensor<[^\n]*tensor<3x\d+x128xbf16>", text)
+    assert lowered.out_info.shape == (tokens, 9, head_dim)
 
 
 def test_int8_lowers_for_tpu():

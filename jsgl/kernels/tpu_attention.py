@@ -25,13 +25,20 @@ see (and from the first one inside a sliding window). Rows of other sequences ar
 untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
 buffers never hold uninitialised values; the mask removes them.
 
+**head_dim** not a multiple of 128 (SmolLM2's 64, an 80 or 96): ``q`` and the output are padded with zeros to
+whole 128-lane vregs by the wrapper (and the output sliced back); the pools stay unpadded in HBM (no 2x pool memory
+or DMA traffic at 64) and each KV block, once in VMEM, is stored into lanes ``[0, head_dim)`` of a 128-lane-wide
+buffer whose other lanes are zeroed once per program, so every dot and the accumulator are lane-aligned. Zero lanes
+add nothing to ``q.k`` or ``p.v``; the scale is the caller's (of the true head_dim). Unpadded head_dims lowered for
+v5e/v6e too, but as 64-lane vectors whose unaligned dots Mosaic's own compile (unchecked here) would have to mask.
+
 **8-bit KV** (:class:`jsgl.kernels.kv_quant.Int8Pool`): int8 pages and their per-token float32 scales
 ``[Hkv, num_pages, page_size]`` are fetched by the same per-page copies; the int8 values (exact in bf16) enter the
 dots as they are and the scales multiply the scores (K) and the probabilities (V), rows of ``block_keys``.
 
 Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
 own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
-(issue #36): a head_dim padded to 128, prefetching across sequences (each sequence's first block is a pipeline
+(issue #36): prefetching across sequences (each sequence's first block is a pipeline
 bubble), writing the new K/V inside the kernel, the TPU pool layout, and a bound on the flat page list (below).
 Under tensor parallelism the runner calls it per shard (``TensorParallel.shard_attention``), checked by lowering at
 tp=4; the step's signature carries no attended length (``Backends.length_free``).
@@ -56,6 +63,8 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # (block_q tokens, keys per KV block) by TPU generation: KV blocks fill the MXU (128 wide on v5e, 256 on v6e).
 BLOCK_SIZES = {"TPU v5 lite": (32, 128), "TPU v6 lite": (32, 256)}
 DEFAULT_BLOCK_SIZES = (32, 128)
+# A TPU vreg's lanes: q, the output and the K/V blocks the dots read are this wide (head_dim padded with zeros).
+LANES = 128
 
 
 def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, int]:
@@ -68,10 +77,14 @@ def _kernel(
     # Scalar prefetch (SMEM).
     page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref, layer_ref,
     # This program's queries (VMEM block), the whole pools (HBM) and, in the 8-bit format, their scales (HBM);
-    # the output block; VMEM buffers for each pool (and scales); DMA semaphores.
+    # the output block; VMEM buffers for each pool (and scales); DMA semaphores; where head_dim is padded, the
+    # widened K and V blocks.
     *refs, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
-    quantized: bool,
+    quantized: bool, head_dim: int,
 ):
+    padded = head_dim != refs[0].shape[-1]  # q and o carry head_dim padded to 128 lanes; the pages do not
+    if padded:  # the K/V block widened to the padded lanes (zeros past head_dim) in VMEM
+        *refs, k_wide, v_wide = refs
     if quantized:
         q_ref, k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
         pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf), (ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf))
@@ -88,6 +101,9 @@ def _kernel(
     row_token = block_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
     q = q_ref[...]
     o_ref[...] = jnp.zeros_like(o_ref)
+    if padded:  # lanes past head_dim stay zero: each block's pages are stored into lanes [0, head_dim) only
+        k_wide[...] = jnp.zeros_like(k_wide)
+        v_wide[...] = jnp.zeros_like(v_wide)
 
     def copies(seq, kv_blk, slot):
         # One DMA per page; pages past the sequence's end read page 0 so the buffer stays finite.
@@ -125,10 +141,14 @@ def _kernel(
 
             for c in copies(seq, kv_blk, slot):
                 c.wait()
-            k = k_buf[slot].reshape(block_keys, -1)
-            v = v_buf[slot].reshape(block_keys, -1)
+            k = k_buf[slot].reshape(block_keys, head_dim)
+            v = v_buf[slot].reshape(block_keys, head_dim)
             if quantized:  # int8 is exact in bf16/f32: dot the values, apply the per-token scales to the scores
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
+            if padded:  # masked stores at lane 0, then whole-vreg dots: zero lanes add nothing to q.k or p.v
+                k_wide[:, :head_dim] = k.astype(k_wide.dtype)
+                v_wide[:, :head_dim] = v.astype(v_wide.dtype)
+                k, v = k_wide[...], v_wide[...]
             s = lax.dot_general(q.astype(k.dtype), k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale
             if quantized:
@@ -206,16 +226,19 @@ def ragged_paged_attention(
         pages_per_block = default_block_sizes(None, page_size)[1]
     num_blocks = pl.cdiv(num_tokens, block_q)
     padded = num_blocks * block_q
+    # head_dim padded to whole 128-lane vregs for q, the output and the dots (zeros: q.k and p.v unchanged; the
+    # scale is the caller's, of the true head_dim); the pages stay unpadded in HBM and are widened in VMEM.
+    lanes = pl.cdiv(head_dim, LANES) * LANES
     # Token-major rows per KV head: [Hkv, T * G, D], the G heads of one token consecutive.
-    qh = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    qh = qh.reshape(padded, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    qh = qh.reshape(num_kv_heads, padded * group, head_dim)
+    qh = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, lanes - head_dim)))
+    qh = qh.reshape(padded, num_kv_heads, group, lanes).transpose(1, 0, 2, 3)
+    qh = qh.reshape(num_kv_heads, padded * group, lanes)
     # The first sequence each query block overlaps: the first s with cu_q_lens[s + 1] > block start.
     starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
     first_seq = jnp.searchsorted(cu_q_lens[1:], starts, side="right").astype(jnp.int32)
 
     rows = block_q * group
-    q_spec = pl.BlockSpec((None, rows, head_dim), lambda h, i, *_: (h, i, 0))
+    q_spec = pl.BlockSpec((None, rows, lanes), lambda h, i, *_: (h, i, 0))
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
     quantized = k_scales is not None
@@ -224,8 +247,10 @@ def ragged_paged_attention(
         pools += [k_scales, v_scales]
         in_specs += [hbm, hbm]
         scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
+    wide = [pltpu.VMEM((pages_per_block * page_size, lanes), q.dtype if quantized else k_pages.dtype)] * 2
     kernel = functools.partial(_kernel, scale=scale, group=group, page_size=page_size,
-                               pages_per_block=pages_per_block, sliding_window=sliding_window, quantized=quantized)
+                               pages_per_block=pages_per_block, sliding_window=sliding_window, quantized=quantized,
+                               head_dim=head_dim)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -233,7 +258,7 @@ def ragged_paged_attention(
             grid=(num_kv_heads, num_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(pools), 2))],
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(pools), 2)), *(wide if lanes > head_dim else [])],
         ),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
@@ -242,8 +267,8 @@ def ragged_paged_attention(
         name=f"jsgl_ragged_paged_attention_bq{block_q}_kv{pages_per_block}x{page_size}",
     )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq,
       jnp.reshape(layer, (1,)).astype(jnp.int32), qh, *pools)
-    out = out.reshape(num_kv_heads, padded, group, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
+    out = out.reshape(num_kv_heads, padded, group, lanes).transpose(1, 0, 2, 3)
+    return out.reshape(padded, num_q_heads, lanes)[:num_tokens, :, :head_dim]
 
 
 def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
