@@ -12,7 +12,7 @@ from scipy.stats import chi2_contingency
 
 from jsgl.engine.engine import Engine
 from jsgl.engine.request import SamplingParams
-from tests.conftest import wait_idle
+from tests.conftest import assert_no_leak
 
 OPTIONS = dict(kv_cache_gb=0.25, max_running_requests=32, chunked_prefill_size=256, precompile="off")
 # Chat-formatted (tokenizer's template) in the fixtures: answers that copy the question, and free ones.
@@ -47,12 +47,6 @@ def tokens(engine, questions, **params):
     """Greedy unless ``params`` say otherwise (SamplingParams' default temperature is SGLang's 1.0)."""
     params = {"temperature": 0.0, **params}
     return [o.token_ids for o in engine.generate(chat(engine, questions), SamplingParams(**params), progress=False)]
-
-
-def assert_no_leak(engine):
-    wait_idle(engine)
-    s = engine.stats()
-    assert s["free_slots"] + s["cache_tokens"] == s["total_slots"]
 
 
 @pytest.mark.parametrize("batch", [1, 6])
@@ -187,3 +181,23 @@ def test_pages_of_sixteen_as_on_an_accelerator():
         finally:
             engine.shutdown()
     assert outputs["ngram"] == outputs["none"]
+
+
+def test_a_failed_verify_step_falls_back_to_plain_steps(plain, spec, monkeypatch):
+    """A verify step whose dispatch fails (the pools intact) gives back the drafts' slots and steps its requests
+    without drafts: the same tokens as plain decoding, nothing leaked."""
+    loop, failures = spec.loop, []
+    dispatch = loop._dispatch
+
+    def failing_once(seqs, items, is_decode, after=None):
+        if not failures and len(items) > len(seqs):  # rows beyond one per request: drafts
+            failures.append(len(items))
+            raise RuntimeError("injected verify failure")
+        return dispatch(seqs, items, is_decode, after)
+
+    monkeypatch.setattr(loop, "_dispatch", failing_once)
+    for engine in (plain, spec):
+        engine.flush_cache()
+    assert tokens(spec, COPYING, max_new_tokens=32) == tokens(plain, COPYING, max_new_tokens=32)
+    assert failures
+    assert_no_leak(spec)

@@ -263,7 +263,7 @@ class EngineLoop:
             for seq in batch.seqs:
                 self.scheduler.kv.shrink(seq, seq.num_tokens)
             rows = [i for i, _ in spans]
-            items = [self.outputs.forward_item(batch.seqs[i], batch.chunks[i], True) for i in rows]
+            items = [self.outputs.forward_item(batch.seqs[i], batch.chunks[i], batch.samples(i)) for i in rows]
             self._absorb(batch, rows, self._run_isolated(batch, rows, items))
             return len(items)
         metrics = self.metrics

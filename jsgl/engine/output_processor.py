@@ -46,10 +46,11 @@ class OutputProcessor:
         rows = [self._item(seq, [t], p) for p, t in enumerate(tokens[seq.num_computed:], seq.num_computed)]
         drafted = draft.tokens if draft is not None else []
         rows += [self._item(seq, [t], p) for p, t in enumerate(drafted, seq.num_tokens)]
+        # Under a grammar a draft carries the mask before each of its tokens (grammar_cut); without one, no masks.
+        masks = draft.masks if draft is not None and draft.masks is not None else \
+            [seq.constraint.allowed_token_bitmask() if seq.constraint is not None else None] * (len(drafted) + 1)
         for i, row in enumerate(rows[len(rows) - len(drafted) - 1:]):
-            mask = draft.masks[i] if draft is not None and draft.masks is not None else \
-                seq.constraint.allowed_token_bitmask() if seq.constraint is not None and i == 0 else None
-            self._sample_as(row, seq, seq.output_ids + drafted[:i], mask)
+            self._sample_as(row, seq, seq.output_ids + drafted[:i], masks[i])
         return rows
 
     def _item(self, seq: Sequence, tokens: list[int], start: int) -> ForwardItem:

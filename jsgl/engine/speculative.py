@@ -14,8 +14,10 @@ over the output before it, its grammar mask. A draft token is accepted while it 
 (greedy: the argmax; sampled: a point-mass draft's rejection rule is exactly "sample, keep if equal"), so the
 output distribution is the model's. Rejected rows' slots go back to the allocator at once.
 
-Per request, a draft that was wholly rejected backs speculation off for a growing number of steps; and none is
-proposed for decode batches larger than ``max_batch`` (where a verify row costs more than it saves).
+How many draft tokens a step verifies is ``choose_rows``'s: the most expected tokens per second of step, from each
+request's acceptance record and what a step of so many rows costs here (``StepCosts``). A request whose draft was
+wholly rejected, found none, or was not worth its rows backs off for a growing number of its tokens; none is
+proposed for decode batches larger than ``max_batch``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import numpy as np
 from jsgl.engine.sequence import Sequence
 from jsgl.radix.cache_base import PrefixCacheBase
 
-ALGORITHMS = ("none", "ngram")
 # Decode batches above this many requests get no drafts, per platform (docs/performance.md, speculative decoding).
 DEFAULT_MAX_BATCH = {"cpu": 8, "gpu": 64, "tpu": 64}
 MAX_BACKOFF_STEPS = 32  # a request whose drafts keep failing still tries every this many tokens
@@ -203,12 +204,10 @@ class StepCosts:
         seen = {r: mean for r, (mean, count) in self._seen.items() if count >= 3}
         if rows in seen:
             return seen[rows]
-        prior = self._prior(rows)
-        anchors = [r for r in seen if self._prior(r) > 0]
-        if not anchors:
-            return prior
-        anchor = min(anchors, key=lambda r: abs(r.bit_length() - rows.bit_length()))
-        estimate = prior * seen[anchor] / self._prior(anchor)
+        if not seen:
+            return self._prior(rows)
+        anchor = min(seen, key=lambda r: abs(r.bit_length() - rows.bit_length()))
+        estimate = self._prior(rows) * seen[anchor] / self._prior(anchor)
         # Never below what fewer rows were seen to cost, nor above what more rows were.
         estimate = max([estimate, *(mean for r, mean in seen.items() if r < rows)])
         return min([estimate, *(mean for r, mean in seen.items() if r > rows)])
@@ -249,6 +248,8 @@ def choose_rows(base_rows: int, num_requests: int, lengths: list[int], acceptanc
     for _, i in gains[:best_extra]:
         keep[i] += 1
     return keep
+
+
 def grammar_cut(seq: Sequence, tokens: list[int]) -> Draft | None:
     """``tokens`` walked through a copy of ``seq``'s constraint: kept up to the first the grammar forbids (or a stop
     token: the request would end there), with the mask before each kept token and after the last."""
