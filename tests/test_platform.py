@@ -86,7 +86,7 @@ def test_backends_resolve_per_platform():
     assert resolve_attention_backend("auto", "gpu") == "pallas"
     assert resolve_matmul_backend("auto", platform="gpu") == "xla"
     assert resolve_attention_backend("native", "gpu") == "native"
-    assert resolve_attention_backend("auto", "tpu") == "native"  # the Mosaic kernel by name until run on a TPU
+    assert resolve_attention_backend("auto", "tpu") == "tpu"  # checked on the device before use (self_check)
     assert resolve_attention_backend("tpu", "tpu") == "tpu"
 
 

@@ -209,8 +209,8 @@ def test_int8_lowers_for_tpu():
 def test_backend_by_name_on_tpu_and_a_readable_error_elsewhere():
     from jsgl.engine.backends import resolve_backends
 
-    # auto stays native on a TPU until the kernel has compiled and run on one; by name it is the kernel.
-    assert resolve_backends(platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention == "native"
+    # auto is the kernel on a TPU (checked on the device before the first step: test_kernel_self_check.py).
+    assert resolve_backends(platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention == "tpu"
     assert resolve_backends("tpu", platform="tpu", dtype="bfloat16", kv_dtype="bfloat16", page_size=16).attention \
         == "tpu"
     with pytest.raises(ValueError, match="the Mosaic kernel for TPUs; this platform is 'cpu'"):

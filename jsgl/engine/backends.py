@@ -8,6 +8,7 @@ for ``gguf``); the runner builds its step and its step shapes from it, and ``sta
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -15,7 +16,13 @@ import jax.numpy as jnp
 
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
+from jsgl.kernels.self_check import KernelCheckFailed, check_attention_kernel
 from jsgl.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# The kernels each accelerator's `auto` picks; their first call there is checked (kernels/self_check.py).
+DEVICE_KERNELS = {"gpu": "pallas", "tpu": "tpu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +32,8 @@ class Backends:
     tp: int = 1
     # The layers as one lax.scan over stacked weights and pools (one layer compiled), or unrolled (model/llama.py)
     scanned: bool = False
+    # Why `auto` fell back to native attention on this device (its kernel failed its check), else "".
+    attention_fallback: str = ""
 
     @property
     def layers(self) -> str:
@@ -95,3 +104,26 @@ def _scanned(layers: str, attention: str, matmul: str, platform: str) -> bool:
         raise ValueError(f"layers=scanned: the CPU kernels (attention {attention!r}, matmul {matmul!r}) take each "
                          "layer's own pools and packed weights; use attention_backend=native and matmul_backend=xla")
     return layers == "scanned" or (layers == "auto" and platform == "tpu")
+
+
+def checked_on_device(backends: Backends, requested: str, config: ModelConfig, kv_dtype: Any, page_size: int,
+                      platform: str) -> Backends:
+    """``backends`` once the device's compiler has run its attention kernel right (``check_attention_kernel`` at
+    the model's shapes, per tensor-parallel shard). Only where ``platform`` is this process's own accelerator: a
+    plan for another platform (a dry run, lowering) checks nothing. A kernel named by the user that fails is an
+    error; one ``auto`` picked falls back to native attention with a warning, and stats() say why."""
+    if backends.attention != DEVICE_KERNELS.get(platform) or platform != jax.default_backend():
+        return backends
+    try:
+        error = check_attention_kernel(backends.attention, num_heads=config.num_heads // backends.tp,
+                                       num_kv_heads=max(1, config.num_kv_heads // backends.tp),
+                                       head_dim=config.head_dim, kv_dtype=kv_dtype, page_size=page_size)
+    except KernelCheckFailed as failure:
+        if requested != "auto":
+            raise ValueError(f"attention_backend={requested!r}: {failure}. attention_backend=native runs on "
+                             f"{platform} too (please report this failure)") from failure
+        log.warning("%s; attending through the native path instead (attention_backend=native)", failure)
+        return dataclasses.replace(backends, attention="native", attention_fallback=str(failure))
+    log.info("%s attention checked against the native path on this device: max abs error %.2g",
+             backends.attention, error)
+    return backends

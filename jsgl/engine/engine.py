@@ -20,7 +20,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jsgl.engine import multihost
 from jsgl.engine.admission import Admission, check_text
-from jsgl.engine.backends import resolve_backends
+from jsgl.engine.backends import checked_on_device, resolve_backends
 from jsgl.engine.config import EngineConfig
 from jsgl.engine.constrained import ConstraintManager
 from jsgl.engine.detokenizer import IncrementalDetokenizer
@@ -83,6 +83,8 @@ class Engine:
         # GGUF's converted weights while a new dtype or tp degree is first placed).
         self.model_config, params = load_placed(cfg.model, self.dtype, cfg.tp, self._placer, self._sharding,
                                                 cfg.weights_cache, skip=packed_from_blocks(weight_blocks))
+        self.backends = checked_on_device(self.backends, cfg.attention_backend, self.model_config, self.kv_dtype,
+                                          cfg.page_size, self.platform.name)
         load_s = time.perf_counter() - started
         self.tokenizer = load_tokenizer(cfg.model)
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
@@ -109,6 +111,8 @@ class Engine:
                                         attention_backend=self.backends.attention,
                                         matmul_backend=self.backends.matmul, layers=self.backends.layers,
                                         page_size=cfg.page_size)
+        if self.backends.attention_fallback:  # auto's kernel failed its check on this device (kernels/self_check.py)
+            self.platform_report["attention_fallback"] = self.backends.attention_fallback
         log.info("running on %s", ", ".join(f"{k} {v}" for k, v in self.platform_report.items()))
         # Prefill's matmuls on AMX tiles (near float32, not bitwise the AVX-512 kernels'): said once, and in stats().
         self.amx_prefill = matmul != "xla" and cpu_kernels.amx_enabled()

@@ -185,14 +185,14 @@ def register_attention_backend(backend: AttentionBackend) -> None:
 
 
 def resolve_attention_backend(name: str, platform: str | None = None) -> str:
-    """``auto``: the Pallas kernels on GPU, the C++ kernel on a CPU that builds it, else native (a TPU too: its
-    Mosaic kernel, ``tpu``, is chosen by name until it has compiled and run on one). ``platform``: JAX's backend
-    name to resolve for (default: this process's)."""
+    """``auto``: the Pallas kernels on a GPU, the Mosaic kernel (``tpu``) on a TPU, the C++ kernel on a CPU that
+    builds it, else native. An engine checks an accelerator's kernel on its device before its first step
+    (``jsgl.kernels.self_check``). ``platform``: JAX's backend name to resolve for (default: this process's)."""
     if name != "auto":
         return name
     platform = platform or jax.default_backend()
-    if platform == "gpu":
-        return "pallas"
+    if platform in ("gpu", "tpu"):
+        return {"gpu": "pallas", "tpu": "tpu"}[platform]
     from jsgl.kernels import cpu
 
     return "cpu" if platform == "cpu" and cpu.available() else "native"
