@@ -182,6 +182,31 @@ def test_pallas_backend_honours_the_window(checkpoints, family, page_size, layer
         engine.shutdown()
 
 
+@pytest.mark.slow  # the kernel's programs run in the Pallas TPU interpreter, in Python: ~20 s a family
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_tpu_kernel_engine_matches_transformers(checkpoints, family, monkeypatch):
+    # An engine with the backends a TPU resolves (the Mosaic kernel, scanned layers, XLA matmuls, pages of 16), the
+    # kernel interpreted on this CPU: transformers' greedy tokens. head_dims 16 and 32 go through the kernel's
+    # padding to 128 lanes, qwen3's windowed layer (6 keys, shorter than the prompts) through its sliding window;
+    # 16-token chunks make prompts extends over a cached prefix.
+    from jsgl.engine import engine as engine_module
+    from jsgl.engine.backends import resolve_backends
+
+    monkeypatch.setattr(engine_module, "resolve_backends",
+                        lambda *args, **options: resolve_backends(*args, **{**options, "platform": "tpu"}))
+    folder, model = checkpoints[family]
+    tokenizer = load_tokenizer(folder)
+    expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
+    engine = engine_module.Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, page_size=16,
+                                  precompile="off", weights_cache="off")
+    try:
+        assert (engine.backends.attention, engine.backends.matmul, engine.backends.scanned) == ("tpu", "xla", True)
+        outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
+        assert [out.token_ids for out in outs] == expected
+    finally:
+        engine.shutdown()
+
+
 def test_bfloat16_checkpoint_loads_exactly(tmp_path):
     """A bf16 checkpoint is read as stored (bf16, not a float32 copy); upcast (the CPU policy) it computes what
     transformers computes after loading the file in float32, and an engine with dtype bfloat16 holds exactly the
