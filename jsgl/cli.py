@@ -212,6 +212,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
+        from jsgl.engine.backends import resolve_backends
         from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
         from jsgl.engine.platform import Platform, current_platform, resolve_defaults
 
@@ -219,8 +220,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(cfg.model)
         device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
         try:
-            # --device-gb stands for an accelerator of that size: its defaults (page size, pool from the device).
-            platform = Platform("gpu", "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
+            # --device-gb stands for an accelerator of that size (--device's, a GPU unless tpu): its defaults (page
+            # size, pool from the device, backends).
+            accelerator = "tpu" if cfg.device == "tpu" else "gpu"
+            platform = Platform(accelerator, "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
             defaults = resolve_defaults(platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
                                         num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction)
             cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
@@ -229,12 +232,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
                                max_batch=cfg.max_running_requests, device_bytes=device,
                                weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
+            backends = resolve_backends(cfg.attention_backend, cfg.matmul_backend, tp=cfg.tp, dtype=dtype,
+                                        kv_dtype=kv_dtype, page_size=cfg.page_size, platform=platform.name,
+                                        layers=cfg.layers)
         except ValueError as exc:
             print(f"jsgl serve: {exc}", file=sys.stderr)
             return 2
         print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
               f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
               f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}")
+        print(f"backends: attention {backends.attention}, matmul {backends.matmul}, layers {backends.layers}")
         print(plan.render())
         return 0
     if (args.dp > 1 or args.ray_address) and args.nnodes > 1:

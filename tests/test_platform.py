@@ -4,6 +4,9 @@ resolved per platform, and a device asked for that is not there."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -151,3 +154,17 @@ def test_the_accelerator_plans_are_length_free_and_list_extends(attention, platf
                          max_context=8192, page_size=16)
     assert len(native.planned_signatures("common", 64, 512)) == 7 * 8  # decode at every length bucket
     assert counts[8192] == counts[131072]  # the plan no longer grows with the context
+
+
+def test_dry_run_prints_a_tpu_plan_for_an_8b_model(tmp_path, capsys):
+    from jsgl.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = ["serve", "--dry-run", "--model", str(tmp_path), "--device-gb", "16", "--device", "tpu"]
+    assert main([*args, "--tp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tpu defaults: page size 16" in out and "backends: attention tpu, matmul xla, layers scanned" in out
+    assert re.search(r"weights +3\.74 GiB +per device", out) and re.search(r"KV pool +9\.\d\d GiB", out)
+    # bfloat16 weights of an 8B model do not fit one 16 GB chip: said, with what to change.
+    assert main(args) == 2
+    assert "leaves no room for a KV pool beside 14.96 GiB of weights" in capsys.readouterr().err

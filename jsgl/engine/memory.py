@@ -169,7 +169,8 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
         if room < per_token * 1024:
             raise ValueError(f"mem_fraction {mem_fraction}: {budget / (1 << 30):.2f} GiB of the device "
                              f"leaves no room for a KV pool beside {weights / (1 << 30):.2f} GiB of weights and "
-                             f"{activations / (1 << 30):.2f} GiB of activations (tp={tp})")
+                             f"{activations / (1 << 30):.2f} GiB of activations (tp={tp}); a larger --tp splits "
+                             "the weights over more devices")
         slots = room // per_token
     else:
         slots = slots_for_memory(config, CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb, dtype=kv_dtype)
