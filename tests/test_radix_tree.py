@@ -66,6 +66,10 @@ def path_slots(cache: RadixCache, node: TreeNode) -> list[int]:
 
 class RadixMachine(RuleBasedStateMachine):
     page_size = 1
+    run = 1  # each drawn token stands for a run of this many: sequences long enough for large pages
+
+    def _long(self, tokens: list[int]) -> list[int]:
+        return [t for t in tokens for _ in range(self.run)]
 
     def __init__(self) -> None:
         super().__init__()
@@ -128,6 +132,9 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=SEQS)
     def match_and_lock(self, tokens: list[int]) -> None:
+        self._match_and_lock(self._long(tokens))
+
+    def _match_and_lock(self, tokens: list[int]) -> None:
         expect = self.cache.match_len(tokens)
         slots, node = self.cache.match_prefix(tokens)
         self._touch(tokens, len(slots))
@@ -140,17 +147,17 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100), extra=SEQS)
     def match_extension(self, i: int, extra: list[int]) -> None:
         """A follow-up call of a running program: extends a running request's tokens."""
-        self.match_and_lock(self.held[i % len(self.held)][0] + extra)
+        self._match_and_lock(self.held[i % len(self.held)][0] + self._long(extra))
 
     @rule(tokens=SEQS)
     def insert_fresh(self, tokens: list[int]) -> None:
-        self._finish(tokens, np.empty(0, np.int32))
+        self._finish(self._long(tokens), np.empty(0, np.int32))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100), extra=SEQS)
     def finish_request(self, i: int, extra: list[int]) -> None:
         tokens, cached, node = self.held.pop(i % len(self.held))
-        self._finish(tokens[: len(cached)] + extra, cached)
+        self._finish(tokens[: len(cached)] + self._long(extra), cached)
         self.cache.dec_lock_ref(node)
 
     @precondition(lambda self: self.held)
@@ -161,6 +168,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 12))
     def evict(self, n: int) -> None:
+        n *= self.run
         before = self.cache.evictable_size()
         # Snapshot the tree with the model's access times, then replay the eviction against it: each
         # freed leaf must be the least recently used unlocked leaf at that moment (a parent left childless
@@ -259,10 +267,19 @@ class PagedRadixMachine(RadixMachine):
     page_size = 2
 
 
+class AcceleratorPagedRadixMachine(RadixMachine):
+    """Pages of 16, a GPU's and a TPU's default; runs of 5 make divergences fall inside and across pages."""
+
+    page_size = 16
+    run = 5
+
+
 TestRadixMachine = RadixMachine.TestCase
 TestRadixMachine.settings = MACHINE_SETTINGS
 TestPagedRadixMachine = PagedRadixMachine.TestCase
 TestPagedRadixMachine.settings = MACHINE_SETTINGS
+TestAcceleratorPagedRadixMachine = AcceleratorPagedRadixMachine.TestCase
+TestAcceleratorPagedRadixMachine.settings = MACHINE_SETTINGS
 
 
 # ---------------------------------------------------------------------------- flat state machine
