@@ -65,7 +65,7 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench speculative": (["bench", "speculative", "--workloads", "json", "--batches", "1", "--requests-b1", "1",
                            "--rounds", "1", "--fold", "--precompile", "off"], None),
     "serve dry-run": (["serve", "--dry-run", "--mem-fraction", "0.05", "--device-gb", "24"], None),
-    "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA from shapes: ~10 s
+    "bench host_traffic": (["bench", "host_traffic"], None),  # lowered for CUDA and TPU from shapes: ~10 s
     "bench loading": (["bench", "loading", "--layers", "1", "--vocab", "4096", "--rounds", "1"], None),
     # Before/after against a worktree of HEAD (the same code): the comparison machinery, not a speed-up.
     "bench compare": (["bench", "compare", "--rev", "HEAD", "--rounds", "1", "--quick", "--precompile", "off",
@@ -418,8 +418,12 @@ def test_bench_host_traffic(results):
     """Uploaded per greedy decode step at batch 64 x 8k, read off the lowered step: the packed inputs, mostly the
     block table (2 MiB at page size 1, 128 KiB at the accelerators' 16)."""
     out, _ = finished(results, "bench host_traffic")
-    uploaded = dict(re.findall(r"page size (\d+): ([\d.]+ [KM]iB) uploaded per greedy step", out))
-    assert uploaded == {"1": "2.002 MiB", "16": "130.25 KiB"}, out
+    found = re.findall(r"on (\w+), .* page size (\d+): ([\d.]+ [KM]iB) uploaded per greedy step; (\d+) (\w+) "
+                       r"attention kernel", out)
+    # The TPU step (the Mosaic kernel, one scanned layer) uploads what the CUDA one does.
+    assert {(platform, page): (sent, int(kernels), backend) for platform, page, sent, kernels, backend in found} == {
+        ("cuda", "1"): ("2.002 MiB", 32, "pallas"), ("cuda", "16"): ("130.25 KiB", 32, "pallas"),
+        ("tpu", "1"): ("2.002 MiB", 1, "tpu"), ("tpu", "16"): ("130.25 KiB", 1, "tpu")}, out
     assert "donated: updated in place" in out and "block_table      [64, 512]" in out, out
 
 
