@@ -32,8 +32,9 @@ ENGINE_HELP = {
                             "tokens (fewer at long context); 0: off",
     "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
     "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), tpu (Mosaic; not yet run on a TPU), cpu "
-                         "(C++ kernel); auto: pallas on a GPU, cpu on a CPU that builds the kernels (float32, --tp 1), "
-                         "else native",
+                         "(C++ kernel); auto: pallas on a GPU, tpu on a TPU (each checked against native on the device "
+                         "first, native if it fails), cpu on a CPU that builds the kernels (float32, --tp 1), else "
+                         "native",
     "layers": "the model's layers as one lax.scan (compiles one layer: start-up that does not grow with depth) or "
               "unrolled (faster on CPU; needed by the CPU kernels); auto: scanned on a TPU, unrolled on a GPU (until "
               "its speed is measured there) and CPU",
