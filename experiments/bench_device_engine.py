@@ -4,11 +4,11 @@ Tiny random checkpoints of each family jsgl serves (Llama 3 with llama3 RoPE, Qw
 head, Qwen3 with q/k norms and a windowed layer, Mistral with a window shorter than the prompts) are built
 offline from transformers' config classes, with a byte-level BPE tokenizer trained here on a few sentences
 (no file from a hub), and saved as HF folders. jsgl's `Engine` on the default device (Pallas attention on a
-GPU; 16-token prefill chunks, so prompts also run as extends over a cached prefix) generates greedily, at
-page sizes 1 and 16, in float32 and in bfloat16. transformers (float32, on the CPU: the reference) then scores
-prompt + jsgl's tokens in one forward. Each token jsgl chose must be transformers' argmax up to the precision
-of the run: its logit within ``tolerance x max|logit|`` of the best one (float32 matmuls may run as TF32 on
-a GPU, so exact token equality would test the matmul unit, not jsgl).
+GPU, at page sizes 1 and 16; the Mosaic kernel on a TPU, at 16; 16-token prefill chunks, so prompts also run as
+extends over a cached prefix) generates greedily, in float32 and in bfloat16. transformers (float32, on the CPU:
+the reference) then scores prompt + jsgl's tokens in one forward. Each token jsgl chose must be transformers'
+argmax up to the precision of the run: its logit within ``tolerance x max|logit|`` of the best one (float32
+matmuls may run as TF32 on a GPU, so exact token equality would test the matmul unit, not jsgl).
 """
 
 from __future__ import annotations

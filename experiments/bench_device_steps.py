@@ -1,8 +1,8 @@
 """Whole engine steps on an accelerator, against what the hardware allows (part of `jsgl bench device`).
 
 A Llama-3-8B-shaped model with random bfloat16 weights (the numbers are the machine's, not the model's) runs
-through jsgl's `ModelRunner`, the same jitted step the engine calls (host inputs packed, Pallas attention,
-sampling, the sampled tokens read back):
+through jsgl's `ModelRunner`, the same jitted step the engine calls (host inputs packed, the platform's attention
+kernel — Pallas on a GPU, the Mosaic kernel on a TPU —, sampling, the sampled tokens read back):
 
 * decode at batch 1 and 64 over ``--context`` cached tokens: ms per step, and the step's bytes (every weight
   the step multiplies, once, plus the K/V it reads) over the time, as a fraction of ``--peak-bw``;
@@ -10,7 +10,10 @@ sampling, the sampled tokens read back):
   attention's FLOPs, over the time, as a fraction of ``--peak-flops``);
 * each step's first call minus its median: the compile seconds of that bucket.
 
-With ``--cpu-smoke`` a tiny model runs the same code on any machine (Pallas interpreted).
+All 32 layers where they fit the device's allocator (weights and the pool for 64 x ``--context`` tokens), else
+as many as do (a 16 GiB TPU v5e holds neither the 16 GB of weights nor the 32 GiB of bfloat16 KV): each layer
+is the same work, so the fractions of the peaks stay comparable. With ``--cpu-smoke`` a tiny model runs the same
+code on any machine (Pallas interpreted).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsgl.engine.backends import resolve_backends
 from jsgl.engine.model_runner import ModelRunner
 from jsgl.engine.step_inputs import ForwardItem
 from jsgl.kernels import kv_quant
@@ -81,28 +85,73 @@ def time_step(runner: ModelRunner, items: list[ForwardItem], iters: int) -> tupl
     return first, statistics.median(times)
 
 
-def run_steps(*, smoke: bool, context: int, prefill_tokens: int, decode_batches: list[int], kv_dtype: str,
-              iters: int, attention: str, layers: str = "auto") -> list[StepResult]:
-    config = ModelConfig.from_hf(TINY if smoke else LLAMA3_8B)
+def slots_needed(context: int, prefill_tokens: int, decode_batches: list[int], page_size: int) -> int:
+    """Pool slots for the steps: page 0 (the reserved slot 0's), whole pages per decode request, the prefill's."""
+    pages_each = -(-context // page_size)
+    return page_size * (1 + max(decode_batches) * pages_each + -(-prefill_tokens // page_size))
+
+
+def layers_that_fit(allocator_bytes: int, num_slots: int, kv_dtypes: list[str]) -> int:
+    """How many of Llama-3-8B's layers fit three quarters of an allocator (the rest: the step's own buffers and XLA's
+    temporaries), with bfloat16 weights (embedding and head included) and ``num_slots`` of the widest KV dtype."""
+    weights = lambda n: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(  # noqa: E731
+        param_shapes(ModelConfig.from_hf({**LLAMA3_8B, "num_hidden_layers": n}), jnp.bfloat16)))
+    per_layer = weights(2) - weights(1)
+    config = ModelConfig.from_hf(LLAMA3_8B)
+    per_layer += num_slots * 2 * config.num_kv_heads * max(
+        kv_quant.bytes_per_head_token(jnp.dtype(kv), config.head_dim) for kv in kv_dtypes)
+    return int((0.75 * allocator_bytes - (2 * weights(1) - weights(2))) // per_layer)
+
+
+def step_config(*, smoke: bool, num_layers: int | None, num_slots: int,
+                kv_dtypes: list[str]) -> tuple[ModelConfig, str]:
+    """The model the steps run, and why it has fewer layers than Llama-3-8B ("" when it has them all): tiny under
+    ``smoke``; else ``num_layers``, or all 32 where they fit the device's allocator, else as many as do."""
+    if smoke:
+        return ModelConfig.from_hf(TINY), ""
+    full = LLAMA3_8B["num_hidden_layers"]
+    if num_layers is not None:
+        return ModelConfig.from_hf({**LLAMA3_8B, "num_hidden_layers": num_layers}), \
+            ("--step-num-layers" if num_layers != full else "")
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    fit = layers_that_fit(limit, num_slots, kv_dtypes) if limit else full
+    if fit >= full:
+        return ModelConfig.from_hf(LLAMA3_8B), ""
+    if fit < 1:
+        raise ValueError(f"not one Llama-3-8B layer fits {limit / 2**30:.1f} GiB beside its embedding and head "
+                         f"with {num_slots} KV slots: lower --context or --decode-batches")
+    return ModelConfig.from_hf({**LLAMA3_8B, "num_hidden_layers": fit}), \
+        f"what fits 3/4 of the allocator's {limit / 2**30:.1f} GiB"
+
+
+def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_batches: list[int], kv_dtype: str,
+              iters: int, attention: str, layers: str = "auto", page_size: int = 1,
+              platform: str | None = None) -> list[StepResult]:
+    """``platform``: resolve the backends for it rather than this process's (``"tpu"`` under ``--cpu-smoke``: the
+    Mosaic kernel's backend, which then runs interpreted here)."""
     dtype = jnp.dtype(jnp.bfloat16)
     kv = jnp.dtype(kv_dtype)
     params = random_params(config, dtype)
-    num_slots = max(decode_batches) * context + prefill_tokens + 1
-    runner = ModelRunner(config, params, num_slots, attention_backend=attention, matmul_backend="xla",
-                         kv_dtype=kv, max_context=max(context, prefill_tokens), layers=layers)
+    num_slots = slots_needed(context, prefill_tokens, decode_batches, page_size)
+    backends = resolve_backends(attention, "xla", dtype=dtype, kv_dtype=kv, page_size=page_size, platform=platform,
+                                layers=layers)
+    runner = ModelRunner(config, params, num_slots, kv_dtype=kv, max_context=max(context, prefill_tokens),
+                         page_size=page_size, backends=backends)
     weight_bytes = matmul_params(config) * dtype.itemsize
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * kv_quant.bytes_per_head_token(kv, config.head_dim)
     attn_flops = lambda queries, keys: 4 * queries * keys * config.num_heads * config.head_dim  # noqa: E731
+    pages_each = -(-context // page_size)
     results = []
     for batch in decode_batches:
+        # Request b's pages: whole pages after page 0, one request after another.
         items = [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,
-                             slots=np.arange(1 + b * context, 1 + (b + 1) * context, dtype=np.int32))
+                             slots=np.arange(context, dtype=np.int32) + page_size * (1 + b * pages_each))
                  for b in range(batch)]
         first, median = time_step(runner, items, iters)
         results.append(StepResult(f"decode b{batch} ctx{context}", batch, median, first,
                                   weight_bytes + batch * context * kv_token_bytes,
                                   2 * matmul_params(config) * batch + batch * attn_flops(1, context)))
-    start = max(decode_batches) * context + 1
+    start = page_size * (1 + max(decode_batches) * pages_each)
     item = ForwardItem(token_ids=np.ones(prefill_tokens, np.int32), start_pos=0,
                        slots=np.arange(start, start + prefill_tokens, dtype=np.int32))
     first, median = time_step(runner, [item], iters)
