@@ -70,11 +70,11 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
     return q, k, v, meta
 
 
-def max_error(q, k, v, meta, **blocks):
+def max_error(q, k, v, meta, interpret=True, **blocks):
     """Max |kernel - reference| over the tokens some request owns (padding tokens: zeros in the kernel)."""
     scale = q.shape[-1] ** -0.5  # of the true head_dim, however far the kernel pads it
     ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, scale)
-    fn = functools.partial(tpu_paged_attention, scale=scale, interpret=True, **blocks)
+    fn = functools.partial(tpu_paged_attention, scale=scale, interpret=interpret, **blocks)
     out = jax.jit(fn)(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     owned = np.asarray(meta.positions) >= 0
@@ -210,6 +210,52 @@ def test_page_list_in_hbm_with_window_layer_and_padded_head_dim(dtype, monkeypat
     meta = dataclasses.replace(meta, sliding_window=10)
     k_stack, v_stack = LayerPool(stack_layers(k, v), jnp.int32(1)), LayerPool(stack_layers(v, k), jnp.int32(1))
     assert max_error(q, k_stack, v_stack, meta, block_q=4, pages_per_block=1) < TOLERANCE[dtype]
+
+
+# Decode rows of 1 to 3 KV blocks (2 pages of 8: 16 keys) with padding rows between them (no new tokens, and no
+# cached positions or some the step does not attend), 15 tokens in 4 query blocks: each program walks several short
+# sequences, starting each one's first block while the previous one's last is computed, the slot carried across.
+MANY_KV = [1, 17, 0, 33, 16, 20, 40, 5, 48, 2, 0, 0, 31, 9, 47, 3, 24, 12, 1, 32]
+MANY_Q = [1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("page_list", "dtype", "window"), [
+    ("smem", jnp.bfloat16, None), ("hbm", jnp.bfloat16, None), ("hbm", "int8", None), ("smem", "int8", 20),
+    ("hbm", jnp.bfloat16, 20)])  # a window of 20: the 33- and 48-long rows' walks start at their second block
+def test_walk_across_many_short_sequences(page_list, dtype, window, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0 if page_list == "hbm" else 1 << 20)
+    q, k, v, meta = make_case(13, 8, 2, MANY_KV, MANY_Q, dtype=dtype, extra_tokens=1)
+    meta = dataclasses.replace(meta, sliding_window=window)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("page_list", ["smem", "hbm"])
+def test_walk_leaves_no_copy_in_flight(page_list, monkeypatch, capfd):
+    # Every copy started is waited for: only a block of this program's walk is prefetched (never the first block of
+    # the next query block's sequence). With copies done when started, the interpreter reports a semaphore left
+    # non-zero at kernel exit (on a TPU: a copy landing in the next program's buffers).
+    from jax.experimental.pallas import tpu as pltpu
+
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0 if page_list == "hbm" else 1 << 20)
+    q, k, v, meta = make_case(19, 4, 1, MANY_KV, MANY_Q, dtype=jnp.float32)
+    eager = pltpu.InterpretParams(dma_execution_mode="eager")
+    assert max_error(q, k, v, meta, interpret=eager, block_q=4, pages_per_block=2) < 2e-5
+    assert "at kernel exit" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("page_list_smem_bytes", [0, 1 << 20])
+def test_rows_without_new_tokens_are_skipped(page_list_smem_bytes):
+    # The kernel called with the padding rows' cached lengths left in (kernel_inputs zeroes them): a row with no new
+    # token is no block of the walk, so no page of it is fetched (cu_pages gives it none) and the others are exact.
+    q, k, v, meta = make_case(17, 4, 1, MANY_KV, MANY_Q, dtype=jnp.float32)
+    pages, cu_pages, cu_q, _, num_seqs = kernel_inputs(meta)
+    out = ragged_paged_attention(q, k.reshape(1, -1, PAGE, HEAD_DIM), v.reshape(1, -1, PAGE, HEAD_DIM), pages,
+                                 cu_pages, cu_q, meta.kv_lens, num_seqs, scale=SCALE, block_q=4, pages_per_block=2,
+                                 interpret=True, page_list_smem_bytes=page_list_smem_bytes)
+    ref = native_paged_attention(q, k, v, meta, SCALE)
+    assert float(jnp.abs(out - ref).max()) < 2e-5
 
 
 def mosaic_kernel(lowered_text: str) -> str:

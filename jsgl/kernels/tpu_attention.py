@@ -17,14 +17,17 @@ and so is the page list while its static length is small (``SMEM_PAGE_LIST_BYTES
 step's, sized by the context: 64 requests at 128k in pages of 16 is 2 MiB) stays in HBM, padded by a block, and each
 KV block's ``pages_per_block`` indices are copied into a two-slot SMEM buffer: SMEM use is bounded whatever the
 context. Those copies run one block further ahead than the pages: block ``b + 2``'s indices are fetched while block
-``b + 1``'s pages are in flight, so in the steady state they add no wait (only a sequence's first block waits on them).
+``b + 1``'s pages are in flight, so in the steady state they add no wait (only a program's first block waits on them).
 
 **Blocks.** Grid ``(Hkv, cdiv(T, block_q))``. A program owns ``block_q`` flat tokens × the ``G = Hq / Hkv`` query
 heads of one KV head (``R = block_q * G`` rows of ``q``, laid out ``[Hkv, T * G, D]`` by the wrapper so the tile
 is contiguous). It walks the sequences its tokens belong to (several in a decode block, part of one in a long
 prefill), and for each streams KV blocks of ``pages_per_block`` pages through an online softmax in float32:
 each page is one async copy HBM→VMEM, and the next block's pages are copied while the current block is computed
-(two VMEM buffers, one DMA semaphore each). A block is loaded only up to the last key the program's queries can
+(two VMEM buffers, one DMA semaphore each). The walk is one stream of blocks across sequences: a sequence's last
+block starts the next sequence's first (the next one this program walks that has a block; padding rows are
+skipped), so a decode block of many short sequences has no pipeline bubble per sequence, and the buffer slot
+carries over from one sequence to the next. A block is loaded only up to the last key the program's queries can
 see (and from the first one inside a sliding window). Rows of other sequences are masked out and left
 untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
 buffers never hold uninitialised values; the mask removes them.
@@ -42,8 +45,7 @@ dots as they are and the scales multiply the scores (K) and the probabilities (V
 
 Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
 own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
-(issue #36): prefetching across sequences (each sequence's first block is a pipeline
-bubble), writing the new K/V inside the kernel and the TPU pool layout.
+(issue #36): writing the new K/V inside the kernel and the TPU pool layout.
 Under tensor parallelism the runner calls it per shard (``TensorParallel.shard_attention``), checked by lowering at
 tp=4; the step's signature carries no attended length (``Backends.length_free``).
 """
@@ -51,6 +53,7 @@ tp=4; the step's signature carries no attended length (``Backends.length_free``)
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +76,18 @@ LANES = 128
 # 16), a sliver of the 1 MiB SMEM of v4 and later; a longer one stays in HBM and each KV block's indices are copied
 # in, so SMEM holds two blocks' indices whatever the context.
 SMEM_PAGE_LIST_BYTES = 16 * 1024
+
+
+class _Span(NamedTuple):
+    """What of one sequence a program attends (int32 scalars): its first token ``q_lo`` and that token's position
+    ``first_pos``, the program's tokens of it ``[lo, hi)`` and the KV blocks they see ``[kv_first, kv_stop)``."""
+
+    q_lo: jax.Array
+    first_pos: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    kv_first: jax.Array
+    kv_stop: jax.Array
 
 
 def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, int]:
@@ -121,11 +136,12 @@ def _kernel(
         k_wide[...] = jnp.zeros_like(k_wide)
         v_wide[...] = jnp.zeros_like(v_wide)
 
-    # The program's walk: its sequences in order, each over KV blocks [kv_first, kv_stop).
+    # The program's walk: its sequences in order, each over KV blocks [kv_first, kv_stop); one stream of blocks.
     def in_walk(seq):  # seq is (still) a sequence this program walks: its tokens start before the block's end
         return (seq < num_seqs) & (cu_q_lens_ref[jnp.minimum(seq, num_seqs)] < block_end)
 
-    def span(seq):  # (q_lo, first_pos, lo, hi, kv_first, kv_stop): what of sequence seq this program attends
+    def span(seq) -> _Span:
+        seq = jnp.minimum(seq, kv_lens_ref.shape[0] - 1)  # one past num_seqs (the walk's end) reads a real entry
         q_lo, q_hi = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
         first_pos = kv_lens_ref[seq] - (q_hi - q_lo)  # position of the sequence's first new token
         lo, hi = jnp.maximum(q_lo, block_start), jnp.minimum(q_hi, block_end)
@@ -133,7 +149,19 @@ def _kernel(
         kv_first = jnp.int32(0)
         if sliding_window is not None:  # keys before the block's first query's window are never visible
             kv_first = jnp.maximum(first_pos + (lo - q_lo) - sliding_window + 1, 0) // block_keys
-        return q_lo, first_pos, lo, hi, kv_first, (kv_end + block_keys - 1) // block_keys
+        return _Span(q_lo, first_pos, lo, hi, kv_first, (kv_end + block_keys - 1) // block_keys)
+
+    def with_blocks(seq):  # the first sequence from seq on with a KV block here (padding rows have none)
+        def skip(s):
+            here = span(s)
+            return in_walk(s) & ((here.hi <= here.lo) | (here.kv_stop <= here.kv_first))
+        return lax.while_loop(skip, lambda s: s + 1, seq)
+
+    def advance(seq, kv_blk):  # the block after (seq, kv_blk): the next one of seq, else the next sequence's first
+        def next_seq():
+            nxt = with_blocks(seq + 1)
+            return nxt, span(nxt).kv_first
+        return lax.cond(kv_blk + 1 < span(seq).kv_stop, lambda: (seq, kv_blk + 1), next_seq)
 
     def index_copy(seq, kv_blk, slot):  # the block's pages_per_block page indices, HBM -> SMEM
         chunk = page_list_ref.at[pl.ds(cu_pages_ref[seq] + kv_blk * pages_per_block, pages_per_block)]
@@ -166,25 +194,30 @@ def _kernel(
             for which in range(len(pools)):
                 page_copy(which, 0, slot, p).wait()
 
-    def attend_seq(seq):
-        q_lo, first_pos, lo, hi, kv_first, kv_stop = span(seq)
-        in_seq = (row_token >= lo) & (row_token < hi)
-        q_pos = first_pos + row_token - q_lo  # [R, 1]
+    def attend_seq(seq, slot, next_block):
+        """Sequence seq's blocks, the first's pages already in flight into ``slot``; ``next_block`` (seq, kv_blk) is
+        the walk's block after that one (its indices in flight). Each block starts the next one's pages (after the
+        sequence's last: the next sequence's first) and the indices of the block after that; returns the slot and
+        the next block after the sequence's last."""
+        here = span(seq)
+        in_seq = (row_token >= here.lo) & (row_token < here.hi)
+        q_pos = here.first_pos + row_token - here.q_lo  # [R, 1]
 
         def body(kv_blk, carry):
-            m, denom, acc = carry
-            slot = (kv_blk - kv_first) % 2
+            slot, next_block, m, denom, acc = carry
+            has_next = in_walk(next_block[0])
 
-            @pl.when(kv_blk + 1 < kv_stop)
+            @pl.when(has_next)
             def _():
                 wait_indices(1 - slot)
-                fetch_pages(seq, kv_blk + 1, 1 - slot)
+                fetch_pages(*next_block, 1 - slot)
 
+            block_after = advance(*next_block)
             if not page_list_in_smem:  # block b + 2's indices while block b + 1's pages are in flight
 
-                @pl.when(kv_blk + 2 < kv_stop)
+                @pl.when(has_next & in_walk(block_after[0]))
                 def _():
-                    fetch_indices(seq, kv_blk + 2, slot)
+                    fetch_indices(*block_after, slot)
 
             wait_pages(slot)
             k = k_buf[slot].reshape(block_keys, head_dim)
@@ -211,29 +244,36 @@ def _kernel(
             # V's scale folds into the probabilities: p @ (s_v * v) == (p * s_v) @ v.
             pv_weights = p * vs_buf[slot].reshape(1, block_keys) if quantized else p
             pv = jnp.dot(pv_weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            return m_new, denom, alpha * acc + pv
+            return 1 - slot, block_after, m_new, denom, alpha * acc + pv
 
-        @pl.when((hi > lo) & (kv_stop > kv_first))
-        def _():  # the first block (its indices waited for), then the second's indices
-            fetch_indices(seq, kv_first, 0)
-            wait_indices(0)
-            fetch_pages(seq, kv_first, 0)
+        init = (slot, next_block, jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                jnp.zeros((rows, q.shape[1]), jnp.float32))
+        slot, next_block, _, denom, acc = lax.fori_loop(here.kv_first, here.kv_stop, body, init)
+        out = acc / jnp.where(in_seq, denom, 1.0)
+        o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+        return slot, next_block
 
-            @pl.when(kv_first + 1 < kv_stop)
-            def _():
-                fetch_indices(seq, kv_first + 1, 1)
+    def step(carry):
+        seq, slot, next_block = carry
+        slot, next_block = attend_seq(seq, slot, next_block)
+        return with_blocks(seq + 1), slot, next_block
 
-            init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-                    jnp.zeros((rows, q.shape[1]), jnp.float32))
-            _, denom, acc = lax.fori_loop(kv_first, kv_stop, body, init)
-            out = acc / jnp.where(in_seq, denom, 1.0)
-            o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+    # The walk's first block (its indices waited for: once per program), then the next block's indices.
+    seq = with_blocks(first_seq_ref[q_blk])
+    kv_first = span(seq).kv_first
+    next_block = advance(seq, kv_first)
 
-    def step(seq):
-        attend_seq(seq)
-        return seq + 1
+    @pl.when(in_walk(seq))
+    def _():
+        fetch_indices(seq, kv_first, 0)
+        wait_indices(0)
+        fetch_pages(seq, kv_first, 0)
 
-    lax.while_loop(in_walk, step, first_seq_ref[q_blk])
+        @pl.when(in_walk(next_block[0]))
+        def _():
+            fetch_indices(*next_block, 1)
+
+    lax.while_loop(lambda carry: in_walk(carry[0]), step, (seq, jnp.int32(0), next_block))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "sliding_window", "interpret",
@@ -255,7 +295,7 @@ def ragged_paged_attention(
     block_q: int = DEFAULT_BLOCK_SIZES[0],
     pages_per_block: int | None = None,
     sliding_window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
     page_list_smem_bytes: int = SMEM_PAGE_LIST_BYTES,
 ) -> jax.Array:
     """The kernel. ``q [T, Hq, D]``; ``k_pages, v_pages [Hkv, num_pages, page_size, D]``; ``page_indices`` flat
@@ -265,7 +305,8 @@ def ragged_paged_attention(
     and head, as :mod:`jsgl.kernels.kv_quant`), fetched page by page beside the values.
     ``layer`` (int32 scalar): the pages (and scales) carry a layer axis after the heads, ``[Hkv, L, num_pages, ...]``
     (a scanned forward's stacked pools), and the kernel reads this layer's pages from the stack without a copy.
-    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic.
+    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic (``True``, or the
+    interpreter's parameters).
     ``page_list_smem_bytes``: the largest ``page_indices`` (in bytes) scalar-prefetched whole into SMEM; a longer
     one is read from HBM, ``pages_per_block`` indices at a time."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -326,7 +367,7 @@ def ragged_paged_attention(
         ),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=pltpu.InterpretParams() if interpret is True else interpret,
         # The block sizes in the name: which generation's defaults a lowered step took shows in its HLO.
         name=f"jsgl_ragged_paged_attention_bq{block_q}_kv{pages_per_block}x{page_size}",
     )(*scalars, *inputs)
@@ -366,7 +407,8 @@ def _target_tpu() -> str | None:
 
 def tpu_paged_attention(
     q: jax.Array, k_pool: KVPool, v_pool: KVPool, meta: AttentionMetadata, scale: float, *,
-    block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
+    block_q: int | None = None, pages_per_block: int | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> jax.Array:
     """The "tpu" backend: jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]`` or a layer of a stack,
     :class:`AttentionMetadata`) on the kernel. ``interpret`` unset: Mosaic where the step is lowered for TPU, the
