@@ -23,7 +23,7 @@ import pytest
 from step_lowering import donated, lowered_step, partitions, pool_gathers
 
 from jsgl.engine.step_inputs import StepLayout
-from jsgl.kernels import kv_quant, lowering
+from jsgl.kernels import kv_quant, lowering, tpu_attention
 from jsgl.kernels.attention import AttentionMetadata, get_attention_backend, native_paged_attention
 from jsgl.kernels.kv_quant import Int8Pool, LayerPool
 from jsgl.kernels.tpu_attention import kernel_inputs, ragged_paged_attention, tpu_paged_attention
@@ -36,9 +36,11 @@ GQA = [(4, 1), (8, 2), (8, 1)]  # (Hq, Hkv): group 4, 4 with 2 KV heads, 8
 GQA_ONE = (2, 2)  # group 1
 
 
-def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0, head_dim=HEAD_DIM):
+def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_tokens=0, head_dim=HEAD_DIM,
+              spare_columns=1):
     """A paged pool whose pages are shuffled among the requests, and the batch's metadata (runner order).
-    ``dtype="int8"``: the 8-bit format (an Int8Pool of per-token scales) with bfloat16 queries."""
+    ``dtype="int8"``: the 8-bit format (an Int8Pool of per-token scales) with bfloat16 queries. ``spare_columns``:
+    the table's columns past the longest request's pages (0: the flat page list is full when all are as long)."""
     quantized = dtype == "int8"
     dtype = jnp.bfloat16 if quantized else dtype
     rng = np.random.default_rng(seed)
@@ -46,7 +48,7 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
     pages = -(-kv_lens // PAGE)
     num_pages = int(pages.sum()) + 3  # page 0 reserved, two never used
     order = rng.permutation(np.arange(1, num_pages))
-    table = np.zeros((len(kv_lens), int(pages.max()) + 1), np.int32)  # one spare column: the table is padded
+    table = np.zeros((len(kv_lens), int(pages.max()) + spare_columns), np.int32)  # spare columns: padding
     off = 0
     for b, n in enumerate(pages):
         table[b, :n] = order[off:off + n]
@@ -68,11 +70,11 @@ def make_case(seed, num_q_heads, num_kv_heads, kv_lens, q_lens, *, dtype, extra_
     return q, k, v, meta
 
 
-def max_error(q, k, v, meta, **blocks):
+def max_error(q, k, v, meta, interpret=True, **blocks):
     """Max |kernel - reference| over the tokens some request owns (padding tokens: zeros in the kernel)."""
     scale = q.shape[-1] ** -0.5  # of the true head_dim, however far the kernel pads it
     ref = jax.jit(native_paged_attention, static_argnums=4)(q, k, v, meta, scale)
-    fn = functools.partial(tpu_paged_attention, scale=scale, interpret=True, **blocks)
+    fn = functools.partial(tpu_paged_attention, scale=scale, interpret=interpret, **blocks)
     out = jax.jit(fn)(q, k, v, meta)
     assert out.shape == q.shape and out.dtype == q.dtype
     owned = np.asarray(meta.positions) >= 0
@@ -131,18 +133,19 @@ def test_sliding_window():
     assert max_error(q, k, v, meta, block_q=4, pages_per_block=1) < 2e-5
 
 
+def stack_layers(pool, other):
+    """A [Hkv, 3, N, ...] stack whose layer 1 is pool (the others another pool's values)."""
+    if isinstance(pool, Int8Pool):
+        return Int8Pool(*(jnp.stack([o, x, o], axis=1) for x, o in ((pool.values, other.values),
+                                                                 (pool.scales, other.scales))))
+    return jnp.stack([other, pool, other], axis=1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param("int8", marks=pytest.mark.slow)])
 def test_layer_of_a_stack(dtype):
     # A scanned forward's pools: the kernel reads layer 1 of a [Hkv, 3, N, D] stack in place.
     q, k, v, meta = make_case(7, 8, 2, *CASES["mixed"][:2], dtype=dtype)
-
-    def stack(pool, other):
-        if isinstance(pool, Int8Pool):
-            return Int8Pool(*(jnp.stack([o, x, o], axis=1) for x, o in ((pool.values, other.values),
-                                                                     (pool.scales, other.scales))))
-        return jnp.stack([other, pool, other], axis=1)
-
-    k_stack, v_stack = LayerPool(stack(k, v), jnp.int32(1)), LayerPool(stack(v, k), jnp.int32(1))
+    k_stack, v_stack = LayerPool(stack_layers(k, v), jnp.int32(1)), LayerPool(stack_layers(v, k), jnp.int32(1))
     assert max_error(q, k_stack, v_stack, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
 
 
@@ -154,6 +157,157 @@ def test_flat_page_list():
     assert list(np.asarray(cu_pages)) == [0, 1, 1, 4] and list(np.asarray(cu_q)) == [0, 1, 1, 2]
     assert list(np.asarray(pages)[:4]) == [table[0, 0], *table[2, :3]]
     assert list(np.asarray(kv_lens)) == [1, 0, 2 * PAGE + 1] and int(num_seqs[0]) == 3
+
+
+def scalar_prefetch_count(q, k, v, meta, **blocks) -> int:
+    """How many operands the kernel's pallas_call scalar-prefetches into SMEM (7 with the page list, 6 without)."""
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                return eqn.params["grid_mapping"].num_index_operands
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns") and (found := find(inner)) is not None:
+                    return found
+        return None
+
+    fn = functools.partial(tpu_paged_attention, scale=SCALE, interpret=True, **blocks)
+    return find(jax.make_jaxpr(fn)(q, k, v, meta).jaxpr)
+
+
+# The page list in HBM (a budget of 0 bytes): each KV block's 2 indices are copied into SMEM two blocks ahead of
+# their pages; LONG's 6 pages are 3 of those chunks, and lengths 1, page - 1, page, page + 1 one each.
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
+@pytest.mark.parametrize("batch", sorted(CASES))
+def test_page_list_in_hbm(batch, dtype, monkeypatch):
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0)
+    kv_lens, q_lens, extra_tokens = CASES[batch]
+    q, k, v, meta = make_case(len(batch), 8, 2, kv_lens, q_lens, dtype=dtype, extra_tokens=extra_tokens)
+    assert scalar_prefetch_count(q, k, v, meta, block_q=4, pages_per_block=2) == 6
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 20])  # HBM, SMEM
+def test_full_page_list(budget, monkeypatch):
+    # Every request has 3 pages and the table no spare column: the flat list is full, and the last request's second
+    # block (pages 3 and 4 of 3) reads its indices past the list's end (the HBM path pads the list by a block; the
+    # interpreter raises on an out-of-bounds read).
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", budget)
+    kv_lens = [3 * PAGE, 2 * PAGE + 1, 3 * PAGE - 1]
+    q, k, v, meta = make_case(2, 4, 1, kv_lens, [1, PAGE + 1, 2], dtype=jnp.bfloat16, spare_columns=0)
+    assert scalar_prefetch_count(q, k, v, meta, block_q=4, pages_per_block=2) == (6 if budget == 0 else 7)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "int8"])
+def test_page_list_in_hbm_with_window_layer_and_padded_head_dim(dtype, monkeypatch):
+    # The HBM page list beside the other paths: a sliding window (the first blocks skipped), layer 1 of a stack,
+    # head_dim 64 (padded to 128 lanes).
+    import dataclasses
+
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0)
+    q, k, v, meta = make_case(9, 8, 2, *CASES["mixed"][:2], dtype=dtype, head_dim=64)
+    meta = dataclasses.replace(meta, sliding_window=10)
+    k_stack, v_stack = LayerPool(stack_layers(k, v), jnp.int32(1)), LayerPool(stack_layers(v, k), jnp.int32(1))
+    assert max_error(q, k_stack, v_stack, meta, block_q=4, pages_per_block=1) < TOLERANCE[dtype]
+
+
+# Decode rows of 1 to 3 KV blocks (2 pages of 8: 16 keys) with padding rows between them (no new tokens, and no
+# cached positions or some the step does not attend), 15 tokens in 4 query blocks: each program walks several short
+# sequences, starting each one's first block while the previous one's last is computed, the slot carried across.
+MANY_KV = [1, 17, 0, 33, 16, 20, 40, 5, 48, 2, 0, 0, 31, 9, 47, 3, 24, 12, 1, 32]
+MANY_Q = [1, 1, 0, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(("page_list", "dtype", "window"), [
+    ("smem", jnp.bfloat16, None), ("hbm", jnp.bfloat16, None), ("hbm", "int8", None), ("smem", "int8", 20),
+    ("hbm", jnp.bfloat16, 20)])  # a window of 20: the 33- and 48-long rows' walks start at their second block
+def test_walk_across_many_short_sequences(page_list, dtype, window, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0 if page_list == "hbm" else 1 << 20)
+    q, k, v, meta = make_case(13, 8, 2, MANY_KV, MANY_Q, dtype=dtype, extra_tokens=1)
+    meta = dataclasses.replace(meta, sliding_window=window)
+    assert max_error(q, k, v, meta, block_q=4, pages_per_block=2) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("page_list", ["smem", "hbm"])
+def test_walk_leaves_no_copy_in_flight(page_list, monkeypatch, capfd):
+    # Every copy started is waited for: only a block of this program's walk is prefetched (never the first block of
+    # the next query block's sequence). With copies done when started, the interpreter reports a semaphore left
+    # non-zero at kernel exit (on a TPU: a copy landing in the next program's buffers).
+    from jax.experimental.pallas import tpu as pltpu
+
+    monkeypatch.setattr(tpu_attention, "SMEM_PAGE_LIST_BYTES", 0 if page_list == "hbm" else 1 << 20)
+    q, k, v, meta = make_case(19, 4, 1, MANY_KV, MANY_Q, dtype=jnp.float32)
+    eager = pltpu.InterpretParams(dma_execution_mode="eager")
+    assert max_error(q, k, v, meta, interpret=eager, block_q=4, pages_per_block=2) < 2e-5
+    assert "at kernel exit" not in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("page_list_smem_bytes", [0, 1 << 20])
+def test_rows_without_new_tokens_are_skipped(page_list_smem_bytes):
+    # The kernel called with the padding rows' cached lengths left in (kernel_inputs zeroes them): a row with no new
+    # token is no block of the walk, so no page of it is fetched (cu_pages gives it none) and the others are exact.
+    q, k, v, meta = make_case(17, 4, 1, MANY_KV, MANY_Q, dtype=jnp.float32)
+    pages, cu_pages, cu_q, _, num_seqs = kernel_inputs(meta)
+    out = ragged_paged_attention(q, k.reshape(1, -1, PAGE, HEAD_DIM), v.reshape(1, -1, PAGE, HEAD_DIM), pages,
+                                 cu_pages, cu_q, meta.kv_lens, num_seqs, scale=SCALE, block_q=4, pages_per_block=2,
+                                 interpret=True, page_list_smem_bytes=page_list_smem_bytes)
+    ref = native_paged_attention(q, k, v, meta, SCALE)
+    assert float(jnp.abs(out - ref).max()) < 2e-5
+
+
+def mosaic_kernel(lowered_text: str) -> str:
+    """The Mosaic kernel a step lowered for TPU carries (its tpu_custom_call's serialized body), as MLIR text."""
+    import base64
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    (body,) = set(re.findall(r'custom_call_config\\22: \{\\22body\\22: \\22([A-Za-z0-9+/=]+)', lowered_text))
+    context = mlir.make_ir_context()
+    tpu.register_dialect(context)
+    context.allow_unregistered_dialects = True  # the serialized form's stable_mosaic version attribute
+    with context, ir.Location.unknown():
+        module = ir.Module.parse(base64.b64decode(body))
+        PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+        return str(module)
+
+
+def smem_operands(kernel: str) -> list[str]:
+    """The shapes of the kernel's SMEM operands (scalar prefetch and scratch), from its signature."""
+    signature = re.search(r"func\.func @jsgl_ragged_paged_attention\w*\(([^\n]*)\) attributes", kernel).group(1)
+    return re.findall(r"memref<([\dx]+)xi32, #tpu\.memory_space<smem>>", signature)
+
+
+@pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8])
+def test_long_page_list_stays_in_hbm_when_lowered(kv_dtype, kind, monkeypatch):
+    # 64 requests x 8192 pages (128k positions in pages of 16): a 2 MiB flat list. The Mosaic kernel takes it in HBM
+    # (memory space any) and its SMEM operands are the lengths and two blocks' indices, a few hundred bytes; a short
+    # list (8 x 64 pages) is scalar-prefetched whole.
+    monkeypatch.setitem(lowering.TARGET_KINDS, "tpu", (kind, 1, "tpu"))
+    s = jax.ShapeDtypeStruct
+    for batch, width in [(64, 8192), (8, 64)]:
+        values = s((8, 4096, 16, 128), kv_dtype)
+        args = [s((64, 32, 128), jnp.bfloat16), values, values, s((batch * width,), jnp.int32),
+                s((batch + 1,), jnp.int32), s((batch + 1,), jnp.int32), s((batch,), jnp.int32), s((1,), jnp.int32)]
+        if kv_dtype == jnp.int8:
+            args += [s((8, 4096, 16), jnp.float32)] * 2
+        fn = jax.jit(functools.partial(ragged_paged_attention, scale=0.088, block_q=16, pages_per_block=8))
+        kernel = mosaic_kernel(lowering.lower_for(fn, *args, platform="tpu").as_text())
+        smem = smem_operands(kernel)
+        smem_bytes = 4 * sum(int(np.prod([int(d) for d in shape.split("x")])) for shape in smem)
+        if batch * width * 4 > tpu_attention.SMEM_PAGE_LIST_BYTES:
+            assert f"memref<{batch * width + 8}xi32, #tpu.memory_space<any>>" in kernel
+            assert "2x8" in smem and smem_bytes < 1024, smem
+            assert re.search(r"tpu\.enqueue_dma source\(%\w+ : memref<8xi32, #tpu\.memory_space<any>>\) "
+                             r"target\(%\w+ : memref<8xi32, #tpu\.memory_space<smem>>\)", kernel)
+        else:
+            assert str(batch * width) in smem and "2x8" not in smem
 
 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "TPU v6 lite"])

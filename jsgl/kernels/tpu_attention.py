@@ -10,17 +10,24 @@ extends are one kernel. Tokens no sequence covers come back as zeros.
 
 **Pages.** K and V are ``[Hkv, num_pages, page_size, D]`` in HBM (``memory_space=ANY``): jsgl's per-layer pool
 ``[Hkv, N, D]`` reshaped, no copy (page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``). Which pages a
-sequence reads is a *flat* page list in SMEM: sequence ``s``'s pages are
-``page_indices[cu_pages[s]:cu_pages[s + 1]]`` (``cdiv(kv_len, page_size)`` entries), so a 128k-context request
-costs its own pages in SMEM, not a padded ``[B, max_pages]`` row. ``cu_q_lens``, ``kv_lens``, ``num_seqs`` and
-``first_seq`` (per query block, the first sequence it overlaps) are scalar-prefetched beside it.
+sequence reads is a *flat* page list: sequence ``s``'s pages are ``page_indices[cu_pages[s]:cu_pages[s + 1]]``
+(``cdiv(kv_len, page_size)`` entries), not a padded ``[B, max_pages]`` row. ``cu_q_lens``, ``kv_lens``,
+``num_seqs`` and ``first_seq`` (per query block, the first sequence it overlaps) are scalar-prefetched into SMEM,
+and so is the page list while its static length is small (``SMEM_PAGE_LIST_BYTES``). A longer one (a length-free
+step's, sized by the context: 64 requests at 128k in pages of 16 is 2 MiB) stays in HBM, padded by a block, and each
+KV block's ``pages_per_block`` indices are copied into a two-slot SMEM buffer: SMEM use is bounded whatever the
+context. Those copies run one block further ahead than the pages: block ``b + 2``'s indices are fetched while block
+``b + 1``'s pages are in flight, so in the steady state they add no wait (only a program's first block waits on them).
 
 **Blocks.** Grid ``(Hkv, cdiv(T, block_q))``. A program owns ``block_q`` flat tokens × the ``G = Hq / Hkv`` query
 heads of one KV head (``R = block_q * G`` rows of ``q``, laid out ``[Hkv, T * G, D]`` by the wrapper so the tile
 is contiguous). It walks the sequences its tokens belong to (several in a decode block, part of one in a long
 prefill), and for each streams KV blocks of ``pages_per_block`` pages through an online softmax in float32:
 each page is one async copy HBM→VMEM, and the next block's pages are copied while the current block is computed
-(two VMEM buffers, one DMA semaphore each). A block is loaded only up to the last key the program's queries can
+(two VMEM buffers, one DMA semaphore each). The walk is one stream of blocks across sequences: a sequence's last
+block starts the next sequence's first (the next one this program walks that has a block; padding rows are
+skipped), so a decode block of many short sequences has no pipeline bubble per sequence, and the buffer slot
+carries over from one sequence to the next. A block is loaded only up to the last key the program's queries can
 see (and from the first one inside a sliding window). Rows of other sequences are masked out and left
 untouched in the output. Pages past a sequence's end are fetched from page 0 (jsgl's reserved slot 0) so the
 buffers never hold uninitialised values; the mask removes them.
@@ -38,8 +45,7 @@ dots as they are and the scales multiply the scores (K) and the probabilities (V
 
 Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
 own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
-(issue #36): prefetching across sequences (each sequence's first block is a pipeline
-bubble), writing the new K/V inside the kernel, the TPU pool layout, and a bound on the flat page list (below).
+(issue #36): writing the new K/V inside the kernel and the TPU pool layout.
 Under tensor parallelism the runner calls it per shard (``TensorParallel.shard_attention``), checked by lowering at
 tp=4; the step's signature carries no attended length (``Backends.length_free``).
 """
@@ -47,6 +53,7 @@ tp=4; the step's signature carries no attended length (``Backends.length_free``)
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +72,22 @@ BLOCK_SIZES = {"TPU v5 lite": (32, 128), "TPU v6 lite": (32, 256)}
 DEFAULT_BLOCK_SIZES = (32, 128)
 # A TPU vreg's lanes: q, the output and the K/V blocks the dots read are this wide (head_dim padded with zeros).
 LANES = 128
+# The largest flat page list scalar-prefetched whole into SMEM (4096 pages: 32 requests at 2k positions in pages of
+# 16), a sliver of the 1 MiB SMEM of v4 and later; a longer one stays in HBM and each KV block's indices are copied
+# in, so SMEM holds two blocks' indices whatever the context.
+SMEM_PAGE_LIST_BYTES = 16 * 1024
+
+
+class _Span(NamedTuple):
+    """What of one sequence a program attends (int32 scalars): its first token ``q_lo`` and that token's position
+    ``first_pos``, the program's tokens of it ``[lo, hi)`` and the KV blocks they see ``[kv_first, kv_stop)``."""
+
+    q_lo: jax.Array
+    first_pos: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    kv_first: jax.Array
+    kv_stop: jax.Array
 
 
 def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, int]:
@@ -74,22 +97,29 @@ def default_block_sizes(device_kind: str | None, page_size: int) -> tuple[int, i
 
 
 def _kernel(
-    # Scalar prefetch (SMEM).
-    page_indices_ref, cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref, layer_ref,
-    # This program's queries (VMEM block), the whole pools (HBM) and, in the 8-bit format, their scales (HBM);
-    # the output block; VMEM buffers for each pool (and scales); DMA semaphores; where head_dim is padded, the
-    # widened K and V blocks.
     *refs, scale: float, group: int, page_size: int, pages_per_block: int, sliding_window: int | None,
-    quantized: bool, head_dim: int,
+    quantized: bool, head_dim: int, page_list_in_smem: bool,
 ):
-    padded = head_dim != refs[0].shape[-1]  # q and o carry head_dim padded to 128 lanes; the pages do not
+    # Scalar prefetch (SMEM): the flat page list where it is small, then cu_pages, cu_q_lens, kv_lens, num_seqs,
+    # first_seq, layer. Then this program's queries (VMEM block), the page list where it is not in SMEM (HBM), the
+    # pools (HBM) and, in the 8-bit format, their scales (HBM); the output block; VMEM buffers for each pool (and
+    # scales); their DMA semaphores; the page-index buffer and its semaphores (page list in HBM); where head_dim is
+    # padded, the widened K and V blocks.
+    if page_list_in_smem:
+        page_list_ref, *refs = refs
+    cu_pages_ref, cu_q_lens_ref, kv_lens_ref, num_seqs_ref, first_seq_ref, layer_ref, q_ref, *refs = refs
+    if not page_list_in_smem:
+        page_list_ref, *refs = refs
+    padded = head_dim != q_ref.shape[-1]  # q and o carry head_dim padded to 128 lanes; the pages do not
     if padded:  # the K/V block widened to the padded lanes (zeros past head_dim) in VMEM
         *refs, k_wide, v_wide = refs
+    if not page_list_in_smem:  # two blocks' page indices (SMEM) and a DMA semaphore per slot
+        *refs, index_buf, index_sems = refs
     if quantized:
-        q_ref, k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
+        k_hbm_ref, v_hbm_ref, ks_hbm_ref, vs_hbm_ref, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems = refs
         pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf), (ks_hbm_ref, ks_buf), (vs_hbm_ref, vs_buf))
     else:
-        q_ref, k_hbm_ref, v_hbm_ref, o_ref, k_buf, v_buf, sems = refs
+        k_hbm_ref, v_hbm_ref, o_ref, k_buf, v_buf, sems = refs
         pools = ((k_hbm_ref, k_buf), (v_hbm_ref, v_buf))
     head, q_blk = pl.program_id(0), pl.program_id(1)
     rows = q_ref.shape[0]
@@ -97,6 +127,7 @@ def _kernel(
     block_keys = pages_per_block * page_size
     block_start = q_blk * block_q
     block_end = block_start + block_q
+    num_seqs = num_seqs_ref[0]
     # The flat token of each row; rows are token-major (G heads of one token consecutive).
     row_token = block_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
     q = q_ref[...]
@@ -105,42 +136,90 @@ def _kernel(
         k_wide[...] = jnp.zeros_like(k_wide)
         v_wide[...] = jnp.zeros_like(v_wide)
 
-    def copies(seq, kv_blk, slot):
-        # One DMA per page; pages past the sequence's end read page 0 so the buffer stays finite.
-        first, end = cu_pages_ref[seq], cu_pages_ref[seq + 1]
-        out = []
-        for p in range(pages_per_block):
-            idx = first + kv_blk * pages_per_block + p
-            page = jnp.where(idx < end, page_indices_ref[jnp.minimum(idx, end - 1)], 0)
-            for which, (hbm, buf) in enumerate(pools):
-                src = hbm.at[head, layer_ref[0], page]
-                out.append(pltpu.make_async_copy(src, buf.at[slot, p], sems.at[which, slot]))
-        return out
+    # The program's walk: its sequences in order, each over KV blocks [kv_first, kv_stop); one stream of blocks.
+    def in_walk(seq):  # seq is (still) a sequence this program walks: its tokens start before the block's end
+        return (seq < num_seqs) & (cu_q_lens_ref[jnp.minimum(seq, num_seqs)] < block_end)
 
-    def attend_seq(seq):
+    def span(seq) -> _Span:
+        seq = jnp.minimum(seq, kv_lens_ref.shape[0] - 1)  # one past num_seqs (the walk's end) reads a real entry
         q_lo, q_hi = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1]
-        kv_len = kv_lens_ref[seq]
-        first_pos = kv_len - (q_hi - q_lo)  # position of the sequence's first new token
+        first_pos = kv_lens_ref[seq] - (q_hi - q_lo)  # position of the sequence's first new token
         lo, hi = jnp.maximum(q_lo, block_start), jnp.minimum(q_hi, block_end)
         kv_end = first_pos + (hi - q_lo)  # keys past the block's last query are never visible
-        kv_stop = (kv_end + block_keys - 1) // block_keys
         kv_first = jnp.int32(0)
         if sliding_window is not None:  # keys before the block's first query's window are never visible
             kv_first = jnp.maximum(first_pos + (lo - q_lo) - sliding_window + 1, 0) // block_keys
-        in_seq = (row_token >= lo) & (row_token < hi)
-        q_pos = first_pos + row_token - q_lo  # [R, 1]
+        return _Span(q_lo, first_pos, lo, hi, kv_first, (kv_end + block_keys - 1) // block_keys)
+
+    def with_blocks(seq):  # the first sequence from seq on with a KV block here (padding rows have none)
+        def skip(s):
+            here = span(s)
+            return in_walk(s) & ((here.hi <= here.lo) | (here.kv_stop <= here.kv_first))
+        return lax.while_loop(skip, lambda s: s + 1, seq)
+
+    def advance(seq, kv_blk):  # the block after (seq, kv_blk): the next one of seq, else the next sequence's first
+        def next_seq():
+            nxt = with_blocks(seq + 1)
+            return nxt, span(nxt).kv_first
+        return lax.cond(kv_blk + 1 < span(seq).kv_stop, lambda: (seq, kv_blk + 1), next_seq)
+
+    def index_copy(seq, kv_blk, slot):  # the block's pages_per_block page indices, HBM -> SMEM
+        chunk = page_list_ref.at[pl.ds(cu_pages_ref[seq] + kv_blk * pages_per_block, pages_per_block)]
+        return pltpu.make_async_copy(chunk, index_buf.at[slot], index_sems.at[slot])
+
+    def fetch_indices(seq, kv_blk, slot):
+        if not page_list_in_smem:
+            index_copy(seq, kv_blk, slot).start()
+
+    def wait_indices(slot):
+        if not page_list_in_smem:
+            index_copy(0, 0, slot).wait()
+
+    def page_copy(which, page, slot, p):
+        hbm, buf = pools[which]
+        return pltpu.make_async_copy(hbm.at[head, layer_ref[0], page], buf.at[slot, p], sems.at[which, slot])
+
+    def fetch_pages(seq, kv_blk, slot):
+        # One DMA per page; pages past the sequence's end read page 0 so the buffer stays finite.
+        first, end = cu_pages_ref[seq], cu_pages_ref[seq + 1]
+        for p in range(pages_per_block):
+            idx = first + kv_blk * pages_per_block + p
+            listed = page_list_ref[jnp.minimum(idx, end - 1)] if page_list_in_smem else index_buf[slot, p]
+            page = jnp.where(idx < end, listed, 0)
+            for which in range(len(pools)):
+                page_copy(which, page, slot, p).start()
+
+    def wait_pages(slot):  # a wait needs the semaphore and the size only: any page stands in
+        for p in range(pages_per_block):
+            for which in range(len(pools)):
+                page_copy(which, 0, slot, p).wait()
+
+    def attend_seq(seq, slot, next_block):
+        """Sequence seq's blocks, the first's pages already in flight into ``slot``; ``next_block`` (seq, kv_blk) is
+        the walk's block after that one (its indices in flight). Each block starts the next one's pages (after the
+        sequence's last: the next sequence's first) and the indices of the block after that; returns the slot and
+        the next block after the sequence's last."""
+        here = span(seq)
+        in_seq = (row_token >= here.lo) & (row_token < here.hi)
+        q_pos = here.first_pos + row_token - here.q_lo  # [R, 1]
 
         def body(kv_blk, carry):
-            m, denom, acc = carry
-            slot = (kv_blk - kv_first) % 2
+            slot, next_block, m, denom, acc = carry
+            has_next = in_walk(next_block[0])
 
-            @pl.when(kv_blk + 1 < kv_stop)
+            @pl.when(has_next)
             def _():
-                for c in copies(seq, kv_blk + 1, 1 - slot):
-                    c.start()
+                wait_indices(1 - slot)
+                fetch_pages(*next_block, 1 - slot)
 
-            for c in copies(seq, kv_blk, slot):
-                c.wait()
+            block_after = advance(*next_block)
+            if not page_list_in_smem:  # block b + 2's indices while block b + 1's pages are in flight
+
+                @pl.when(has_next & in_walk(block_after[0]))
+                def _():
+                    fetch_indices(*block_after, slot)
+
+            wait_pages(slot)
             k = k_buf[slot].reshape(block_keys, head_dim)
             v = v_buf[slot].reshape(block_keys, head_dim)
             if quantized:  # int8 is exact in bf16/f32: dot the values, apply the per-token scales to the scores
@@ -165,29 +244,40 @@ def _kernel(
             # V's scale folds into the probabilities: p @ (s_v * v) == (p * s_v) @ v.
             pv_weights = p * vs_buf[slot].reshape(1, block_keys) if quantized else p
             pv = jnp.dot(pv_weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            return m_new, denom, alpha * acc + pv
+            return 1 - slot, block_after, m_new, denom, alpha * acc + pv
 
-        @pl.when((hi > lo) & (kv_stop > kv_first))
+        init = (slot, next_block, jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                jnp.zeros((rows, q.shape[1]), jnp.float32))
+        slot, next_block, _, denom, acc = lax.fori_loop(here.kv_first, here.kv_stop, body, init)
+        out = acc / jnp.where(in_seq, denom, 1.0)
+        o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+        return slot, next_block
+
+    def step(carry):
+        seq, slot, next_block = carry
+        slot, next_block = attend_seq(seq, slot, next_block)
+        return with_blocks(seq + 1), slot, next_block
+
+    # The walk's first block (its indices waited for: once per program), then the next block's indices.
+    seq = with_blocks(first_seq_ref[q_blk])
+    kv_first = span(seq).kv_first
+    next_block = advance(seq, kv_first)
+
+    @pl.when(in_walk(seq))
+    def _():
+        fetch_indices(seq, kv_first, 0)
+        wait_indices(0)
+        fetch_pages(seq, kv_first, 0)
+
+        @pl.when(in_walk(next_block[0]))
         def _():
-            for c in copies(seq, kv_first, 0):
-                c.start()
-            init = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-                    jnp.zeros((rows, q.shape[1]), jnp.float32))
-            _, denom, acc = lax.fori_loop(kv_first, kv_stop, body, init)
-            out = acc / jnp.where(in_seq, denom, 1.0)
-            o_ref[...] = jnp.where(in_seq, out.astype(o_ref.dtype), o_ref[...])
+            fetch_indices(*next_block, 1)
 
-    def cond(seq):
-        return (seq < num_seqs_ref[0]) & (cu_q_lens_ref[jnp.minimum(seq, num_seqs_ref[0])] < block_end)
-
-    def step(seq):
-        attend_seq(seq)
-        return seq + 1
-
-    lax.while_loop(cond, step, first_seq_ref[q_blk])
+    lax.while_loop(lambda carry: in_walk(carry[0]), step, (seq, jnp.int32(0), next_block))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "sliding_window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "pages_per_block", "sliding_window", "interpret",
+                                             "page_list_smem_bytes"))
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -205,7 +295,8 @@ def ragged_paged_attention(
     block_q: int = DEFAULT_BLOCK_SIZES[0],
     pages_per_block: int | None = None,
     sliding_window: int | None = None,
-    interpret: bool = False,
+    interpret: bool | pltpu.InterpretParams = False,
+    page_list_smem_bytes: int = SMEM_PAGE_LIST_BYTES,
 ) -> jax.Array:
     """The kernel. ``q [T, Hq, D]``; ``k_pages, v_pages [Hkv, num_pages, page_size, D]``; ``page_indices`` flat
     int32, sequence ``s``'s pages at ``[cu_pages[s], cu_pages[s + 1])``; ``cu_q_lens`` and ``cu_pages`` ``[S + 1]``;
@@ -214,7 +305,10 @@ def ragged_paged_attention(
     and head, as :mod:`jsgl.kernels.kv_quant`), fetched page by page beside the values.
     ``layer`` (int32 scalar): the pages (and scales) carry a layer axis after the heads, ``[Hkv, L, num_pages, ...]``
     (a scanned forward's stacked pools), and the kernel reads this layer's pages from the stack without a copy.
-    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic."""
+    ``interpret``: run through the Pallas TPU interpreter (any backend) instead of Mosaic (``True``, or the
+    interpreter's parameters).
+    ``page_list_smem_bytes``: the largest ``page_indices`` (in bytes) scalar-prefetched whole into SMEM; a longer
+    one is read from HBM, ``pages_per_block`` indices at a time."""
     num_tokens, num_q_heads, head_dim = q.shape
     if layer is None:  # one layer's pools: a layer axis of 1 (a reshape)
         k_pages, v_pages = k_pages[:, None], v_pages[:, None]
@@ -247,26 +341,36 @@ def ragged_paged_attention(
         pools += [k_scales, v_scales]
         in_specs += [hbm, hbm]
         scratch += [pltpu.VMEM((2, pages_per_block, page_size), jnp.float32)] * 2
-    wide = [pltpu.VMEM((pages_per_block * page_size, lanes), q.dtype if quantized else k_pages.dtype)] * 2
+    scratch.append(pltpu.SemaphoreType.DMA((len(pools), 2)))
+    page_list_in_smem = page_indices.size * page_indices.dtype.itemsize <= page_list_smem_bytes
+    scalars = [cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq, jnp.reshape(layer, (1,)).astype(jnp.int32)]
+    inputs = [qh, *pools]
+    if page_list_in_smem:
+        scalars.insert(0, page_indices)
+    else:  # in HBM, padded so that the last sequence's last block's indices are whole
+        inputs.insert(1, jnp.pad(page_indices, (0, pages_per_block)))
+        in_specs.insert(1, hbm)
+        scratch += [pltpu.SMEM((2, pages_per_block), jnp.int32), pltpu.SemaphoreType.DMA((2,))]
+    if lanes > head_dim:
+        scratch += [pltpu.VMEM((pages_per_block * page_size, lanes), q.dtype if quantized else k_pages.dtype)] * 2
     kernel = functools.partial(_kernel, scale=scale, group=group, page_size=page_size,
                                pages_per_block=pages_per_block, sliding_window=sliding_window, quantized=quantized,
-                               head_dim=head_dim)
+                               head_dim=head_dim, page_list_in_smem=page_list_in_smem)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=7,
+            num_scalar_prefetch=len(scalars),
             grid=(num_kv_heads, num_blocks),
             in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(pools), 2)), *(wide if lanes > head_dim else [])],
+            scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct(qh.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=pltpu.InterpretParams() if interpret is True else interpret,
         # The block sizes in the name: which generation's defaults a lowered step took shows in its HLO.
         name=f"jsgl_ragged_paged_attention_bq{block_q}_kv{pages_per_block}x{page_size}",
-    )(page_indices, cu_pages, cu_q_lens, kv_lens, num_seqs, first_seq,
-      jnp.reshape(layer, (1,)).astype(jnp.int32), qh, *pools)
+    )(*scalars, *inputs)
     out = out.reshape(num_kv_heads, padded, group, lanes).transpose(1, 0, 2, 3)
     return out.reshape(padded, num_q_heads, lanes)[:num_tokens, :, :head_dim]
 
@@ -277,7 +381,8 @@ def kernel_inputs(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array, jax.Ar
     Assumes the runner's batch order (request ``b``'s tokens at ``q_start[b] = sum(q_len[:b])``; padding rows with
     ``q_len == 0`` anywhere). The flat page list is the table's rows compacted to ``cdiv(kv_len, page_size)`` pages
     each. Its static length stays the table's ``B * pages``, which a length-free step sets by the context (64
-    requests at 128k, pages of 16: 2 MiB of SMEM, unchecked against a TPU's); a bound is open (issue #36).
+    requests at 128k, pages of 16: 2 MiB); past ``SMEM_PAGE_LIST_BYTES`` the kernel keeps it in HBM and copies each
+    KV block's indices into SMEM, so SMEM holds a bounded slice of it whatever the context.
     """
     table, page = meta.block_table, meta.page_size
     batch, width = table.shape
@@ -302,7 +407,8 @@ def _target_tpu() -> str | None:
 
 def tpu_paged_attention(
     q: jax.Array, k_pool: KVPool, v_pool: KVPool, meta: AttentionMetadata, scale: float, *,
-    block_q: int | None = None, pages_per_block: int | None = None, interpret: bool | None = None,
+    block_q: int | None = None, pages_per_block: int | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> jax.Array:
     """The "tpu" backend: jsgl's attention contract (``q [T, Hq, D]``, pools ``[Hkv, N, D]`` or a layer of a stack,
     :class:`AttentionMetadata`) on the kernel. ``interpret`` unset: Mosaic where the step is lowered for TPU, the
@@ -330,7 +436,8 @@ def tpu_paged_attention(
     scales = pools[2:] or [None, None]
     return ragged_paged_attention(
         q, *pools[:2], *kernel_inputs(meta), *scales, layer, scale=float(scale), block_q=block_q or default_q,
-        pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
+        pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret,
+        page_list_smem_bytes=SMEM_PAGE_LIST_BYTES)  # read per call: a test can shrink it
 
 
 register_attention_backend(AttentionBackend("tpu", tpu_paged_attention))
