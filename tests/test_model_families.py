@@ -188,7 +188,7 @@ def test_tpu_kernel_engine_matches_transformers(checkpoints, family, monkeypatch
     # An engine with the backends a TPU resolves (the Mosaic kernel, scanned layers, XLA matmuls, pages of 16), the
     # kernel interpreted on this CPU: transformers' greedy tokens. head_dims 16 and 32 go through the kernel's
     # padding to 128 lanes, qwen3's windowed layer (6 keys, shorter than the prompts) through its sliding window;
-    # 16-token chunks make prompts extends over a cached prefix.
+    # 16-token chunks make prompts extends over their own first chunks, and a follow-up extends a radix-cached prefix.
     from jsgl.engine import engine as engine_module
     from jsgl.engine.backends import resolve_backends
 
@@ -199,10 +199,14 @@ def test_tpu_kernel_engine_matches_transformers(checkpoints, family, monkeypatch
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
     engine = engine_module.Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, page_size=16,
                                   precompile="off", weights_cache="off")
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     try:
         assert (engine.backends.attention, engine.backends.matmul, engine.backends.scanned) == ("tpu", "xla", True)
-        outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
-        assert [out.token_ids for out in outs] == expected
+        assert [out.token_ids for out in engine.generate(PROMPTS, greedy)] == expected
+        # A follow-up over the first prompt: its whole pages come from the radix cache, the rest is one extend.
+        follow_up = PROMPTS[0] + " The farmer waves."
+        out = engine.generate(follow_up, greedy)
+        assert out.cached_tokens >= 16 and out.token_ids == hf_greedy(model, tokenizer(follow_up).input_ids)
     finally:
         engine.shutdown()
 

@@ -1,6 +1,7 @@
 """The TPU ragged paged-attention kernel (jsgl.kernels.tpu_attention) vs the pure-JAX reference, in Pallas TPU
 interpret mode on CPU, and its Mosaic lowering for TPU v5e/v6e from this machine: alone, and in the whole engine
-step at tp=1 and tp=4; and an engine serving SmolLM2 through the interpreted kernel.
+step at tp=1 and tp=4. An engine serving tiny checkpoints through the interpreted kernel against transformers:
+tests/test_model_families.py::test_tpu_kernel_engine_matches_transformers.
 
 Pools are paged (page size 8, page 0 reserved) with shuffled pages; lengths 1, page - 1, page, page + 1 and a
 long one; GQA ratios 1, 4 and 8; bfloat16, the 8-bit format and float32. Small query and KV blocks so sequences
@@ -457,33 +458,3 @@ if __name__ == "__main__":  # the tp=4 child
     summaries["int8"] = tpu_step("decode", "v6e", tp=4, scanned=True, kv_dtype=jnp.int8)
     print(json.dumps(summaries))
 
-
-# Over a page of 16 tokens, so the radix cache (whole pages) holds it for the second request's extend.
-SHARED_PREFIX = ("The following is a list of European countries and their capital cities, written out one per line in "
-                 "full sentences for a geography quiz.\nThe capital of France is")
-
-
-@pytest.mark.slow  # about 5 s a step: the interpreter runs each of the 30 layers' kernel programs in Python
-def test_engine_through_the_interpreted_kernel_gives_the_cpu_paths_greedy_tokens(engine, monkeypatch):
-    """SmolLM2-135M served with the backends a TPU resolves (the Mosaic kernel, scanned layers, XLA's matmuls) and
-    pages of 16, the kernel in the Pallas TPU interpreter on this CPU (tpu_paged_attention interprets wherever the
-    step is not lowered for a TPU): the default CPU engine's greedy tokens, for a prefill, decode batches of one and
-    two, and an extend over a cached prefix."""
-    from jsgl.engine import engine as engine_module
-    from jsgl.engine.backends import Backends, resolve_backends
-
-    monkeypatch.setattr(engine_module, "resolve_backends",
-                        lambda *args, **options: resolve_backends(*args, **{**options, "platform": "tpu"}))
-    tpu = engine_module.Engine(model="smollm2-135m", attention_backend="tpu", page_size=16, kv_cache_gb=0.05,
-                               max_running_requests=4, chunked_prefill_size=64, precompile="off", weights_cache="off")
-    try:
-        assert tpu.backends == Backends("tpu", "xla", 1, scanned=True)
-        greedy = {"max_new_tokens": 4, "temperature": 0.0}
-        prompts = [SHARED_PREFIX, SHARED_PREFIX + " Paris.\nThe capital of Germany is", "1, 2, 3, 4,"]
-        first = tpu.generate(prompts[0], greedy)
-        rest = tpu.generate(prompts[1:], greedy)  # one step extends the cached prefix beside a whole prefill
-        assert rest[0].cached_tokens >= 32 and rest[1].cached_tokens == 0
-        got = [out.token_ids for out in [first, *rest]]
-    finally:
-        tpu.shutdown()
-    assert got == [out.token_ids for out in engine.generate(prompts, greedy)]
