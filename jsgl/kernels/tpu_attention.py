@@ -333,4 +333,6 @@ def tpu_paged_attention(
         pages_per_block=pages_per_block or default_pages, sliding_window=meta.sliding_window, interpret=interpret)
 
 
-register_attention_backend(AttentionBackend("tpu", tpu_paged_attention))
+from jsgl.kernels.tpu_kv_write import write_rows  # noqa: E402  (it imports _target_tpu from here when called)
+
+register_attention_backend(AttentionBackend("tpu", tpu_paged_attention, write=write_rows))
