@@ -11,13 +11,16 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from step_lowering import donated, lowered_step, pool_scatters
+from step_lowering import NUM_SLOTS, donated, lowered_step, pool_scatters
 from test_tpu_attention import STEP_LAYOUTS
 
 from jsgl.kernels import kv_quant, lowering
@@ -38,16 +41,16 @@ CASES = {
 }
 
 
-def make_pool(rng, dtype, layers: int | None = None):
-    """Random rows in every slot: ``[HEADS, (layers,) SLOTS, HEAD_DIM]`` (an Int8Pool for ``"int8"``)."""
-    shape = (HEADS, *(() if layers is None else (layers,)), SLOTS, HEAD_DIM)
+def make_pool(rng, dtype, layers: int | None = None, heads: int = HEADS):
+    """Random rows in every slot: ``[heads, (layers,) SLOTS, HEAD_DIM]`` (an Int8Pool for ``"int8"``)."""
+    shape = (heads, *(() if layers is None else (layers,)), SLOTS, HEAD_DIM)
     rows = rng.standard_normal(shape).astype(np.float32)
     return Int8Pool(*kv_quant.quantize(jnp.asarray(rows))) if dtype == "int8" else jnp.asarray(rows, dtype)
 
 
-def new_rows(rng, dtype, num_tokens):
+def new_rows(rng, dtype, num_tokens, heads: int = HEADS):
     """The new tokens' K rows, in the dtype the model computes them in for such a pool."""
-    x = rng.standard_normal((num_tokens, HEADS, HEAD_DIM)).astype(np.float32)
+    x = rng.standard_normal((num_tokens, heads, HEAD_DIM)).astype(np.float32)
     return jnp.asarray(x, jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32)
 
 
@@ -117,6 +120,44 @@ def test_the_tpu_backend_writes_through_the_kernel():
     fn = jax.jit(backend.write)
     assert_bitwise_equal(fn(pool, slots, x), kv_quant.write(pool, slots, x))
     assert lowering.lower_for(fn, pool, slots, x, platform="tpu").as_text().count("tpu_custom_call") == 1
+
+
+def test_tp4_writes_each_shard_through_the_kernel():
+    """At tp=4 (forced CPU devices, in a child: the device count is fixed when jax starts) the sharded TPU backend's
+    write, lowered for TPU, runs the kernel inside the shard_map on each shard's KV head: a stack's values
+    [1, 3, N, 32] of the whole [4, 3, N, 32], the 8-bit format's values and scales too; 4 partitions, no pool
+    scattered into. (Run interpreted, the Pallas TPU interpreter's cross-device barrier never completes on this
+    2-core host: the shards' numbers are checked one device at a time above, the wiring here.)"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "bf16": {"kernels": [f"tensor<1x3x{NUM_SLOTS}x32xbf16>"], "partitions": 4, "pool_scatters": 0},
+        "int8": {"kernels": [f"tensor<1x3x{NUM_SLOTS}x32xi8>", f"tensor<1x3x{NUM_SLOTS}xf32>"], "partitions": 4,
+                 "pool_scatters": 0}}
+
+
+def _tp4_child() -> dict[str, dict]:
+    from jax.sharding import NamedSharding
+    from step_lowering import partitions
+
+    from jsgl.model.config import ModelConfig
+    from jsgl.model.sharding import TensorParallel, _head_spec
+
+    tp = TensorParallel.create(ModelConfig("llama", 128, 64, 128, 1, 12, 4, HEAD_DIM), 4)
+    write = jax.jit(tp.shard_attention(get_attention_backend("tpu")).write, donate_argnums=0)
+    placed = lambda shape, dtype: S(shape, dtype, sharding=NamedSharding(tp.mesh, _head_spec(S(shape, dtype))))  # noqa: E731
+    shape, found = (4, 3, NUM_SLOTS, HEAD_DIM), {}
+    for name, dtype in (("bf16", jnp.bfloat16), ("int8", jnp.int8)):
+        stack = placed(shape, dtype)
+        if dtype == jnp.int8:
+            stack = Int8Pool(stack, placed(shape[:-1], jnp.float32))
+        pool = LayerPool(stack, placed((), jnp.int32))
+        args = (pool, S((16,), jnp.int32), S((16, 4, HEAD_DIM), jnp.bfloat16))
+        text = lowering.lower_for(write, *args, platform="tpu", mesh=tp.mesh).as_text()
+        kernels = re.findall(r"custom_call @tpu_custom_call\([^\n]*-> (tensor<[^>]*>)", text)
+        found[name] = {"kernels": kernels, "partitions": partitions(text), "pool_scatters": pool_scatters(text)}
+    return found
 
 
 def mosaic_dmas(text: str) -> list[tuple[str, str]]:
@@ -204,3 +245,7 @@ def test_native_step_scatters_into_every_pool():
     # What the kernel replaces (and what pool_scatters sees): XLA's scatter of K and V into each layer's pool.
     assert step_summary("decode", False, jnp.bfloat16, attention="native")["pool_scatters"] == 64
     assert step_summary("decode", True, jnp.int8, attention="native")["pool_scatters"] == 4  # values and scales
+
+
+if __name__ == "__main__":  # the tp=4 child
+    print(json.dumps(_tp4_child()))
