@@ -45,9 +45,10 @@ WHY = {
 }
 
 
-# Per platform: the attention backend, whether the layers are scanned (the engine's defaults there), and the
-# custom call its kernel lowers to.
-PLATFORMS = {"cuda": ("pallas", False, "__gpu$xla.gpu.triton"), "tpu": ("tpu", True, "tpu_custom_call")}
+# Per platform: the attention backend, whether the layers are scanned (the engine's defaults there), and what marks
+# its kernel's custom call in the lowered text (on TPU its name: the K/V write is a Mosaic custom call too).
+PLATFORMS = {"cuda": ("pallas", False, "__gpu$xla.gpu.triton"),
+             "tpu": ("tpu", True, 'kernel_name = "jsgl_ragged_paged_attention')}
 
 
 def lowered_decode(config: ModelConfig, layout: StepLayout, num_slots: int, dtype,

@@ -1,5 +1,5 @@
 """The whole jitted engine step of a Llama-3-8B-shaped model, lowered for a platform this machine lacks (shared by
-test_gpu_lowering and test_tpu_attention).
+test_gpu_lowering, test_tpu_attention and test_tpu_kv_write).
 
 No weights exist: params and pools are abstract (`param_shapes`), so the 16 GB model costs nothing; under tensor
 parallelism each carries the NamedSharding the runner would place it with.
@@ -68,3 +68,13 @@ def partitions(text: str) -> int:
 def pool_gathers(text: str) -> int:
     """Gathers out of a whole pool (values [Hkv, (L,) N, D] or scales [Hkv, (L,) N]): the native path's padded K/V."""
     return len(re.findall(rf"stablehlo\.gather[^\n]*: \(tensor<(?:\d+x)*{NUM_SLOTS}x", text))
+
+
+def pool_scatters(text: str) -> int:
+    """Scatters into a whole pool (values [Hkv, (L,) N, D] or scales [Hkv, (L,) N]): XLA's K/V write. A scatter's
+    types follow its update region, on the line closing it."""
+    count = 0
+    for op in re.finditer(r'"stablehlo\.scatter"\(', text):
+        closing = text[text.index("}) : (", op.end()):].split("\n", 1)[0]
+        count += bool(re.match(rf"\}}\) : \(tensor<(?:\d+x)*{NUM_SLOTS}x", closing))
+    return count

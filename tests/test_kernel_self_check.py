@@ -1,4 +1,4 @@
-"""An accelerator's attention kernel is checked on its device before an engine's first step
+"""An accelerator's attention kernel (and K/V write kernel) is checked on its device before an engine's first step
 (jsgl.kernels.self_check, jsgl.engine.backends.checked_on_device): here the kernels run interpreted, and a
 TPU is simulated by telling JAX's default backend is "tpu", so the real kernel meets a compiler that refuses it."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from jsgl.engine import backends as backends_module
 from jsgl.engine.backends import checked_on_device, resolve_backends
-from jsgl.kernels import attention
+from jsgl.kernels import attention, kv_quant
 from jsgl.kernels.self_check import TOLERANCE, KernelCheckFailed, check_attention_kernel
 from jsgl.model.config import ModelConfig
 
@@ -44,6 +44,18 @@ def test_a_wrong_or_failing_kernel_is_found(monkeypatch):
     _register("refused", refuses)
     with pytest.raises(KernelCheckFailed, match="refused attention failed on .*NotImplementedError"):
         check_attention_kernel("refused", num_heads=4, num_kv_heads=1, head_dim=64, kv_dtype=jnp.bfloat16,
+                               page_size=16)
+
+
+def test_a_wrong_kv_write_is_found(monkeypatch):
+    # A backend writing K/V through its own kernel (the TPU's) writes the check's pools through it too: they must be
+    # kv_quant.write's, bit for bit (attention over wrong pools would agree with native over the same pools).
+    monkeypatch.setattr(attention, "_BACKENDS", dict(attention._BACKENDS))
+    doubled = lambda pool, slots, x: kv_quant.write(pool, slots, x * 2)  # noqa: E731
+    attention.register_attention_backend(attention.AttentionBackend("doubles", attention.native_paged_attention,
+                                                                    write=doubled))
+    with pytest.raises(KernelCheckFailed, match="doubles K/V write on .* differs from kv_quant.write"):
+        check_attention_kernel("doubles", num_heads=4, num_kv_heads=1, head_dim=64, kv_dtype=jnp.bfloat16,
                                page_size=16)
 
 

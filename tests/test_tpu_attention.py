@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from step_lowering import donated, lowered_step, partitions, pool_gathers
+from step_lowering import donated, lowered_step, partitions, pool_gathers, pool_scatters
 
 from jsgl.engine.step_inputs import StepLayout
 from jsgl.kernels import kv_quant, lowering, tpu_attention
@@ -396,7 +396,7 @@ def tpu_step(name: str, generation: str, *, tp: int = 1, scanned: bool = False, 
              attention: str = "tpu") -> dict:
     """What matters in the whole step of a Llama-3-8B-shaped model (abstract bf16 weights, pages of 16) lowered
     for a TPU generation: Mosaic kernels (defined, called, their block sizes and query heads per call), donated
-    pools, gathers out of a pool, partitions."""
+    pools, gathers out of a pool and scatters into one, partitions."""
     from unittest import mock
 
     with mock.patch.dict(lowering.TARGET_KINDS, {"tpu": (TPU_KINDS[generation], 1, "tpu")}):
@@ -407,15 +407,17 @@ def tpu_step(name: str, generation: str, *, tp: int = 1, scanned: bool = False, 
             "kernel_calls": len(re.findall(r"call @ragged_paged_attention\(", text)),
             "blocks": sorted(set(re.findall(r"jsgl_ragged_paged_attention_(\w+)", text))),
             "q_heads": sorted({int(h) for h in kernel_q}), "donated": donated(text),
-            "pool_gathers": pool_gathers(text), "partitions": partitions(text)}
+            "pool_gathers": pool_gathers(text), "pool_scatters": pool_scatters(text), "partitions": partitions(text)}
 
 
 def expected_step(generation: str, *, tp: int = 1, scanned: bool = False, int8: bool = False) -> dict:
     """The kernel once a layer (once in the scanned loop's body) on each shard's 32 / tp query heads, every pool
-    donated (64 unrolled, the two stacks scanned; twice that with the 8-bit format's scales), no pool gathered."""
+    donated (64 unrolled, the two stacks scanned; twice that with the 8-bit format's scales), none gathered or
+    scattered into. Two Mosaic kernels: attention and the K/V write (three: the 8-bit format's scales' write;
+    test_tpu_kv_write.py)."""
     pools = (2 if scanned else 64) * (2 if int8 else 1)
-    return {"mosaic": 1, "kernel_calls": 1 if scanned else 32, "blocks": [KERNEL_BLOCKS[generation]],
-            "q_heads": [32 // tp], "donated": pools, "pool_gathers": 0, "partitions": tp}
+    return {"mosaic": 2 + int8, "kernel_calls": 1 if scanned else 32, "blocks": [KERNEL_BLOCKS[generation]],
+            "q_heads": [32 // tp], "donated": pools, "pool_gathers": 0, "pool_scatters": 0, "partitions": tp}
 
 
 @pytest.mark.parametrize("scanned", [False, True])

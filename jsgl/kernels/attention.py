@@ -1,6 +1,7 @@
 """Paged attention over the token-granular KV pool: the interface every backend implements.
 
-The model writes the new tokens' K/V into the pool first, then calls ``paged_attention``: each query
+The model writes the new tokens' K/V into the pool first (``kv_quant.write``, or the backend's ``write``: a kernel
+on TPU), then calls ``paged_attention``: each query
 attends to its request's slots ``block_table[b, :kv_lens[b]]`` up to (and including) its own position.
 Because ``block_table[b, j]`` holds the slot of position ``j`` (with pages of ``page_size > 1`` slots, the
 table holds each page and ``slot_table()`` expands it), "causal over the new tokens" and "full
@@ -68,6 +69,8 @@ class AttentionMetadata:
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata, float], jax.Array]
 # (qkv, k_pool, v_pool, write_slots, cos, signed_sin, meta, scale) -> (out, k_pool, v_pool) | None
 FusedAttentionFn = Callable[..., "tuple[jax.Array, jax.Array, jax.Array] | None"]
+# (pool, slots [T], x [T, Hkv, D]) -> the pool with x written at slots (kv_quant.write's contract)
+KVWriteFn = Callable[[kv_quant.KVPool, jax.Array, jax.Array], kv_quant.KVPool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +81,10 @@ class AttentionBackend:
     tokens' K/V already written). `rope_write_attend`, where a backend has it, does RoPE on the new q and k
     (taken from the fused q|k|v projection), the K/V write and the attention as one op (the CPU kernel's,
     which saves three XLA ops per layer); it returns None where it does not apply, and the model then
-    composes the three steps itself. Calling the record calls `attend`. `builds_scores` says whether the
-    scheduler must bound an extend batch's padded score array.
+    composes the three steps itself. `write(pool, slots, x)`, where set, is how the backend's platform writes
+    the new K/V into a pool when the model composes them (`kv_quant.write`'s contract; the TPU backend's Mosaic
+    kernel, ``jsgl.kernels.tpu_kv_write``, in place of XLA's scatter); None: `kv_quant.write`. Calling the record
+    calls `attend`. `builds_scores` says whether the scheduler must bound an extend batch's padded score array.
     """
 
     name: str
@@ -88,6 +93,7 @@ class AttentionBackend:
     # Whether attending materializes a [heads, requests, new tokens, length] score array (the native path);
     # the kernels stream K/V blocks through an online softmax and build none.
     builds_scores: bool = False
+    write: KVWriteFn | None = None
 
     def __call__(self, q: jax.Array, k_pool: kv_quant.KVPool, v_pool: kv_quant.KVPool, meta: AttentionMetadata,
                  scale: float) -> jax.Array:

@@ -8,8 +8,9 @@ row's largest magnitude. A token costs ``D + 4`` bytes per head instead of ``4 D
 (bfloat16): 3.8x float32's slots for SmolLM2's ``D = 64``, 3.9x at Llama-3's 128.
 
 Every attention path reads it through :func:`gather` (the native path) or by dequantizing the gathered
-rows in-kernel (Pallas); the model writes it through :func:`write`. The CPU kernels read float32 pools
-only, so an engine with this format attends through the native path on CPU.
+rows in-kernel (Pallas); the model writes it through :func:`write` (XLA's scatter), or on TPU through the backend's
+kernel (:func:`jsgl.kernels.tpu_kv_write.write_rows`, the same contract, quantizing with :func:`quantize`). The CPU
+kernels read float32 pools only, so an engine with this format attends through the native path on CPU.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _restored(pool: KVPool, stored: jax.Array | Int8Pool) -> KVPool:
 
 
 def write(pool: KVPool, slots: jax.Array, x: jax.Array) -> KVPool:
-    """The pool with ``x [T, Hkv, D]`` (the new tokens' K or V) written at ``slots [T]``."""
+    """The pool with ``x [T, Hkv, D]`` (the new tokens' K or V) written at ``slots [T]``: XLA's scatter (an
+    attention backend's ``write`` may replace it on its platform: the TPU kernel, ``jsgl.kernels.tpu_kv_write``)."""
     rows = x.swapaxes(0, 1)  # [Hkv, T, D]
     stored, at = _storage(pool)
     at = (*at, slots)

@@ -440,4 +440,6 @@ def tpu_paged_attention(
         page_list_smem_bytes=SMEM_PAGE_LIST_BYTES)  # read per call: a test can shrink it
 
 
-register_attention_backend(AttentionBackend("tpu", tpu_paged_attention))
+from jsgl.kernels.tpu_kv_write import write_rows  # noqa: E402  (it imports _target_tpu from here when called)
+
+register_attention_backend(AttentionBackend("tpu", tpu_paged_attention, write=write_rows))

@@ -225,8 +225,10 @@ def _layer(
             q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q, k = rope(q, *rope_cos_sin), rope(k, *rope_cos_sin)
-        # Write first, then attend: the new tokens read their own K/V from the pool like the prefix.
-        k_pool, v_pool = kv_quant.write(k_pool, write_slots, k), kv_quant.write(v_pool, write_slots, v)
+        # Write first, then attend: the new tokens read their own K/V from the pool like the prefix. The backend's
+        # platform may write through a kernel (TPU: XLA's scatter is slow there).
+        write = attention.write or kv_quant.write
+        k_pool, v_pool = write(k_pool, write_slots, k), write(v_pool, write_slots, v)
         attn = attention.attend(q, k_pool, v_pool, meta, scale)
     h = _attention_output(h, attn.reshape(num_tokens, -1), layer)
     return _mlp(h, layer, cfg.rms_norm_eps), k_pool, v_pool

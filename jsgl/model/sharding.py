@@ -247,10 +247,12 @@ class TensorParallel:
         """Run ``attention`` per shard on its local heads: q [T, Hq'/tp, hd], pools [Hkv'/tp, N, hd].
 
         Heads are independent in attention and each shard holds whole GQA groups, so no collective is
-        needed inside; metadata is replicated. A Pallas kernel thus launches per device on local data.
+        needed inside; metadata is replicated. A Pallas kernel thus launches per device on local data. A backend's
+        K/V ``write`` (the TPU kernel) runs per shard the same way, on its heads' rows of the new K/V.
         """
+        write = None if attention.write is None else functools.partial(_sharded_write, attention.write, self.mesh)
         return AttentionBackend(f"{attention.name}-sharded",
-                                functools.partial(_sharded_attention, attention.attend, self.mesh))
+                                functools.partial(_sharded_attention, attention.attend, self.mesh), write=write)
 
 
 def _head_spec(x: Any) -> P:
@@ -258,18 +260,32 @@ def _head_spec(x: Any) -> P:
     return P(AXIS, *(None,) * (x.ndim - 1)) if x.ndim else P()
 
 
+def _pool_specs(pool: Any) -> Any:
+    return jax.tree.map(_head_spec, pool)  # an Int8Pool: values and scales; a LayerPool's layer replicated
+
+
+def _shard_map_mesh(mesh: Mesh) -> Any:
+    """``mesh``, or where the step is lowered for a device this process lacks, the context's same axes over an
+    abstract device (kernels/lowering.py): shard_map must be given that mesh."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.shape_tuple == mesh.abstract_mesh.shape_tuple:
+        return context
+    return mesh
+
+
 def _sharded_attention(attention: AttentionFn, mesh: Mesh, q: jax.Array, k_pool: Any,
                        v_pool: Any, meta: AttentionMetadata, scale: float) -> jax.Array:
     # check_vma=False: a pallas_call's out_shape does not say how it varies over the manual axis, which
     # the check would require; the body has no collectives, so the check would verify nothing anyway.
-    pool_specs = lambda pool: jax.tree.map(_head_spec, pool)  # noqa: E731  (an Int8Pool: values and scales)
-    # Lowered for a device this process lacks, the context holds the same axes over an abstract device
-    # (kernels/lowering.py); shard_map must be given that mesh.
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and context.shape_tuple == mesh.abstract_mesh.shape_tuple:
-        mesh = context
     local = jax.shard_map(
-        lambda q, k, v, m: attention(q, k, v, m, scale), mesh=mesh,
-        in_specs=(P(None, AXIS, None), pool_specs(k_pool), pool_specs(v_pool), P()),
+        lambda q, k, v, m: attention(q, k, v, m, scale), mesh=_shard_map_mesh(mesh),
+        in_specs=(P(None, AXIS, None), _pool_specs(k_pool), _pool_specs(v_pool), P()),
         out_specs=P(None, AXIS, None), check_vma=False)
     return local(q, k_pool, v_pool, meta)
+
+
+def _sharded_write(write: Any, mesh: Mesh, pool: Any, slots: jax.Array, x: jax.Array) -> Any:
+    """``write(pool, slots, x)`` per shard: its heads' pool and rows ``x [T, Hkv'/tp, hd]``, the slots replicated."""
+    local = jax.shard_map(write, mesh=_shard_map_mesh(mesh), in_specs=(_pool_specs(pool), P(), P(None, AXIS, None)),
+                          out_specs=_pool_specs(pool), check_vma=False)
+    return local(pool, slots, x)
