@@ -44,8 +44,10 @@ v5e/v6e too, but as 64-lane vectors whose unaligned dots Mosaic's own compile (u
 dots as they are and the scales multiply the scores (K) and the probabilities (V), rows of ``block_keys``.
 
 Checked in the Pallas TPU interpreter and by lowering to Mosaic from a CPU host; never yet run on a TPU, so Mosaic's
-own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. Not yet here
-(issue #36): writing the new K/V inside the kernel and the TPU pool layout.
+own compile (layouts, the ``[R, 1]`` softmax statistics, the page-buffer reshapes) is unverified. The new K/V
+reach the pool before this kernel runs, through a kernel of their own (:mod:`jsgl.kernels.tpu_kv_write`, the
+backend's ``write``), not written from inside this one; the pool is the same head-major layout as everywhere
+(docs/tpu.md says why).
 Under tensor parallelism the runner calls it per shard (``TensorParallel.shard_attention``), checked by lowering at
 tp=4; the step's signature carries no attended length (``Backends.length_free``).
 """
