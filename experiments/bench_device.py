@@ -58,6 +58,14 @@ PLATFORM_DEFAULTS = {
 }
 
 
+def kernel_cases(args: argparse.Namespace) -> list[tuple[str, int, int, str]]:
+    """(kind, batch, KV heads, dtype) of every kernel check: decode at --batch (and --splitk-batch), an extend."""
+    runs = [("decode", args.batch)] + ([("decode", args.splitk_batch)] if args.splitk_batch else [])
+    runs += [] if args.skip_extend else [("extend", args.extend_batch)]
+    return [(kind, batch, kv_heads, dtype_name) for kv_heads in args.kv_heads for dtype_name in args.dtypes
+            for kind, batch in runs]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--platform", choices=["auto", "gpu", "tpu"], default="auto",
@@ -276,15 +284,8 @@ def main(argv=None) -> int:
 
         ok &= run_kernel_checks(args, interpret)
     elif not args.skip_kernels:
-        for kv_heads in args.kv_heads:
-            for dtype_name in args.dtypes:
-                runs = [("decode", args.batch)]
-                if args.splitk_batch:
-                    runs.append(("decode", args.splitk_batch))
-                if not args.skip_extend:
-                    runs.append(("extend", args.extend_batch))
-                for kind, batch in runs:
-                    ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
+        for kind, batch, kv_heads, dtype_name in kernel_cases(args):
+            ok &= check(kind, batch, args, kv_heads, dtype_name, interpret)
     attention = "tpu" if on_tpu else "pallas"
     if not args.skip_engine:
         from jsgl.experiments.bench_device_engine import engine_defaults_report, run_engine_checks

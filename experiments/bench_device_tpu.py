@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jsgl.experiments.bench_device import TOLERANCE, make_batch, median_time
+from jsgl.experiments.bench_device import TOLERANCE, kernel_cases, make_batch, median_time
 
 from jsgl.kernels import kv_quant
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
@@ -177,13 +177,6 @@ def run_kernel_checks(args: argparse.Namespace, interpret: bool) -> bool:
     print(f"\nattention on the TPU kernels (pages of {args.page_size}, shuffled; median of {args.iters} after "
           f"{args.warmup}; peak {args.peak_bw / 1e12:.3f} TB/s, {args.peak_flops / 1e12:.0f} TFLOP/s)", flush=True)
     ok = True
-    for kv_heads in args.kv_heads:
-        for dtype_name in args.dtypes:
-            runs = [("decode", args.batch)]
-            if args.splitk_batch:
-                runs.append(("decode", args.splitk_batch))
-            if not args.skip_extend:
-                runs.append(("extend", args.extend_batch))
-            for kind, batch in runs:
-                ok &= check_case(kind, batch, kv_heads, dtype_name, args, interpret)
+    for kind, batch, kv_heads, dtype_name in kernel_cases(args):
+        ok &= check_case(kind, batch, kv_heads, dtype_name, args, interpret)
     return ok
