@@ -19,6 +19,7 @@ code on any machine (Pallas interpreted).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 
 from jsgl.engine.backends import resolve_backends
 from jsgl.engine.model_runner import ModelRunner
+from jsgl.engine.platform import TPU_SLOT_BLOCK
 from jsgl.engine.step_inputs import ForwardItem
 from jsgl.kernels import kv_quant
 from jsgl.model.config import LLAMA3_8B, ModelConfig
@@ -132,7 +134,9 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
     dtype = jnp.dtype(jnp.bfloat16)
     kv = jnp.dtype(kv_dtype)
     params = random_params(config, dtype)
-    num_slots = slots_needed(context, prefill_tokens, decode_batches, page_size)
+    # Whole 128-slot blocks, as an engine sizes a TPU's pool, so a TPU's K/V write kernel applies (pool_slots).
+    granule = math.lcm(page_size, TPU_SLOT_BLOCK)
+    num_slots = -(-slots_needed(context, prefill_tokens, decode_batches, page_size) // granule) * granule
     backends = resolve_backends(attention, "xla", dtype=dtype, kv_dtype=kv, page_size=page_size, platform=platform,
                                 layers=layers)
     runner = ModelRunner(config, params, num_slots, kv_dtype=kv, max_context=max(context, prefill_tokens),

@@ -10,20 +10,8 @@
 # on tiny checkpoints, Llama-3-8B-shaped steps). Everything goes to $OUT/gpu_session.log (./out without $OUT).
 # Without a GPU it runs the same parts at smoke size (Pallas interpreted), which is how it is checked on CPU.
 set -uo pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-exec > >(tee "$OUT/gpu_session.log") 2>&1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY="${PYTHON:-python3}"
-status=0
-part() {  # part SECONDS TITLE COMMAND...: one timed part; a failure is reported and the next part still runs
-    local limit="$1" title="$2" start=$SECONDS rc=0
-    shift 2
-    echo "===== $title (limit ${limit} s)"
-    timeout "$limit" "$@" || rc=$?
-    echo "===== $title: exit $rc after $((SECONDS - start)) s"
-    [ "$rc" -eq 0 ] || status=1
-}
+# shellcheck source=session_common.sh
+source "$(dirname "$0")/session_common.sh" gpu_session
 
 if [ -d .whl ] && command -v nvidia-smi >/dev/null; then  # on the lent machine: this checkout's jsgl plus what the image lacks, beside (not over) the image's packages
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target /tmp/jsgl-site .whl/*.whl . \

@@ -12,20 +12,8 @@
 # without $OUT). Without a TPU it runs the same parts at smoke size (the kernels interpreted), which is how it is
 # checked on CPU.
 set -uo pipefail
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-exec > >(tee "$OUT/tpu_session.log") 2>&1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY="${PYTHON:-python3}"
-status=0
-part() {  # part SECONDS TITLE COMMAND...: one timed part; a failure is reported and the next part still runs
-    local limit="$1" title="$2" start=$SECONDS rc=0
-    shift 2
-    echo "===== $title (limit ${limit} s)"
-    timeout "$limit" "$@" || rc=$?
-    echo "===== $title: exit $rc after $((SECONDS - start)) s"
-    [ "$rc" -eq 0 ] || status=1
-}
+# shellcheck source=session_common.sh
+source "$(dirname "$0")/session_common.sh" tpu_session
 backend() { "$PY" -c "import jax; print(jax.default_backend())" 2>/dev/null; }
 # A TPU VM shows its chips as /dev/accel* (v4, v5e) or VFIO devices (v5p, v6e); a GPU machine is not one.
 tpu_chips() {

@@ -8,6 +8,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -168,3 +169,16 @@ def test_dry_run_prints_a_tpu_plan_for_an_8b_model(tmp_path, capsys):
     # bfloat16 weights of an 8B model do not fit one 16 GB chip: said, with what to change.
     assert main(args) == 2
     assert "leaves no room for a KV pool beside 14.96 GiB of weights" in capsys.readouterr().err
+
+
+def test_a_tpu_pool_is_whole_blocks_of_the_kv_write_kernel():
+    from jsgl.engine.platform import pool_slots
+    from jsgl.kernels import kv_quant
+    from jsgl.kernels.tpu_kv_write import fits
+
+    assert pool_slots(1000, 16, "gpu") == 992 and pool_slots(1000, 1, "cpu") == 1000
+    assert pool_slots(1000, 16, "tpu") == 896 and pool_slots(100, 16, "tpu") == 256
+    # Sized so, a TPU pool is written by the kernel in every KV format (else the model falls back to the scatter).
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.int8):
+        assert fits(kv_quant.allocate((2, pool_slots(1000, 16, "tpu"), 64), dtype))
+    assert not fits(kv_quant.allocate((2, pool_slots(1000, 16, "gpu"), 64), jnp.int8))

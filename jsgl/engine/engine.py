@@ -33,7 +33,7 @@ from jsgl.engine.metrics import EngineMetrics
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import CPU_OVERLAP_MAX_BATCH, OverlapScheduler
-from jsgl.engine.platform import current_platform, describe, resolve_defaults
+from jsgl.engine.platform import current_platform, describe, pool_slots, resolve_defaults
 from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.request import GenerateOutput, InvalidRequestError, SamplingParams, new_request_id
 from jsgl.engine.sampling_params import expand_parallel_samples
@@ -97,7 +97,7 @@ class Engine:
         num_slots = self.memory_plan.num_slots
         if cfg.mem_fraction is not None or self.platform.accelerator:
             log.info("memory plan:\n%s", self.memory_plan.render())
-        num_slots = max(num_slots - num_slots % cfg.page_size, 2 * cfg.page_size)
+        num_slots = pool_slots(num_slots, cfg.page_size, self.platform.name)
         self.memory_plan = dataclasses.replace(self.memory_plan, num_slots=num_slots)  # the pool as allocated
         self.allocator = SlotAllocator(num_slots, cfg.page_size)
         self.runner = ModelRunner(self.model_config, params, num_slots, params_placed=True,

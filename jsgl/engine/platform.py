@@ -9,6 +9,7 @@ install, never a silent CPU run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -90,3 +91,15 @@ def describe(platform: Platform, **backends: Any) -> dict[str, Any]:
     """What the engine reports it runs on (logs, ``stats()``, ``/get_server_info``)."""
     return {"platform": platform.name, "device_kind": platform.device_kind, "device_count": platform.device_count,
             **backends}
+
+
+# On a TPU the pool's slot count is a whole number of 128-slot blocks: what the K/V write kernel tiles in every KV
+# format (jsgl.kernels.tpu_kv_write.fits; else the model writes through XLA's scatter, slow there).
+TPU_SLOT_BLOCK = 128
+
+
+def pool_slots(num_slots: int, page_size: int, platform: str) -> int:
+    """The pool's slot count: ``num_slots`` rounded down to whole pages (whole 128-slot blocks on a TPU), two at
+    least."""
+    granule = math.lcm(page_size, TPU_SLOT_BLOCK) if platform == "tpu" else page_size
+    return max(num_slots - num_slots % granule, 2 * granule)

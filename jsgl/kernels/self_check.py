@@ -39,8 +39,9 @@ def check_batch(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: Any,
     kv_lens = np.array([page_size + 1, 1, 2 * page_size + 2, 0], np.int32)
     q_lens = np.array([1, 1, 3, 0], np.int32)
     width = -(-int(kv_lens.max()) // page_size)
-    # Whole 128-slot blocks of pool: what the TPU's write kernel takes in every KV format (else it scatters).
-    num_pages = -(-(len(kv_lens) * width + 1) * page_size // 128) * 128 // page_size
+    # Whole 128-slot blocks, as an engine on a TPU sizes its pool, so the TPU's K/V write kernel applies.
+    num_slots = -(-(len(kv_lens) * width + 1) * page_size // 128) * 128
+    num_pages = num_slots // page_size
     pages = rng.permutation(np.arange(1, num_pages, dtype=np.int32))[:len(kv_lens) * width].reshape(len(kv_lens), width)
     table = np.where(np.arange(width)[None, :] * page_size < kv_lens[:, None], pages, 0).astype(np.int32)
     slots = table[:, :, None] * page_size + np.arange(page_size, dtype=np.int32)

@@ -28,9 +28,12 @@ the layer's 8-row tile group (of every layer where ``L`` is not a multiple of 8:
 alignment), merged by per-head selects of each token's scale, read from SMEM, at its lane.
 
 Pools the blocks do not tile (``N`` not a multiple of ``span``, or of 128 for the 8-bit format's scales; head_dim
-over 128) are written by :func:`kv_quant.write` instead. Checked in the Pallas TPU interpreter and by lowering for TPU
-from a CPU host: Mosaic's own compile (the tilings assumed above, the f32 conversions and selects) is unverified
-until it runs on a TPU, where the engine's first-step check (:mod:`jsgl.kernels.self_check`) writes through it.
+over 128) are written by :func:`kv_quant.write` instead; an engine on a TPU sizes its pool in whole 128-slot
+blocks (``jsgl.engine.platform.pool_slots``), so its pools fit at any head_dim up to 128.
+
+Checked in the Pallas TPU interpreter and by lowering for TPU from a CPU host: Mosaic's own compile (the tilings
+assumed above, the f32 conversions and selects) is unverified until it runs on a TPU, where the engine's first-step
+check (:mod:`jsgl.kernels.self_check`) writes through it.
 """
 
 from __future__ import annotations
