@@ -306,7 +306,7 @@ def main(argv=None) -> int:
                 print(result.row(), flush=True)
                 ok &= result.ok
     if not args.skip_steps:
-        from jsgl.experiments.bench_device_steps import run_steps, slots_needed, step_config
+        from jsgl.experiments.bench_device_steps import mixed_summary, run_steps, slots_needed, step_config
 
         page = args.page_size if on_tpu else 1  # the GPU's steps keep single-slot pages (docs/gpu.md's figures)
         slots = slots_needed(args.context, args.prefill_tokens, args.decode_batches, page)
@@ -320,11 +320,13 @@ def main(argv=None) -> int:
                 print(f"\nengine steps, {model} model, bfloat16 weights, KV {kv_dtype}, layers {layers}, "
                       f"{attention} attention, pages of {page}: peak {args.peak_bw / 1e12:.2f} TB/s, "
                       f"{args.peak_flops / 1e12:.0f} TFLOP/s", flush=True)
-                for result in run_steps(config=config, context=args.context, prefill_tokens=args.prefill_tokens,
-                                        decode_batches=args.decode_batches, kv_dtype=kv_dtype, iters=args.iters,
-                                        attention=attention, layers=layers, page_size=page,
-                                        platform="tpu" if on_tpu else None):
+                results = run_steps(config=config, context=args.context, prefill_tokens=args.prefill_tokens,
+                                    decode_batches=args.decode_batches, kv_dtype=kv_dtype, iters=args.iters,
+                                    attention=attention, layers=layers, page_size=page,
+                                    platform="tpu" if on_tpu else None)
+                for result in results:
                     print(result.row(args.peak_bw, args.peak_flops), flush=True)
+                print(mixed_summary(results), flush=True)
     print("all ok" if ok else "SOME CHECKS FAILED", flush=True)
     return 0 if ok else 1
 

@@ -8,6 +8,9 @@ kernel — Pallas on a GPU, the Mosaic kernel on a TPU —, sampling, the sample
   the step multiplies, once, plus the K/V it reads) over the time, as a fraction of ``--peak-bw``;
 * prefill of ``--prefill-tokens`` new tokens: tokens/s and MFU (2 x matmul parameters x tokens, plus the
   attention's FLOPs, over the time, as a fraction of ``--peak-flops``);
+* a mixed step (the accelerators' default while a prompt prefills beside running requests): the largest decode
+  batch and the prefill its chunk's budget leaves (``--prefill-tokens`` less the batch, at least half), against
+  the same decode and prefill run as two steps;
 * each step's first call minus its median: the compile seconds of that bucket.
 
 All 32 layers where they fit the device's allocator (weights and the pool for 64 x ``--context`` tokens), else
@@ -30,7 +33,7 @@ import numpy as np
 
 from jsgl.engine.backends import resolve_backends
 from jsgl.engine.model_runner import ModelRunner
-from jsgl.engine.platform import TPU_SLOT_BLOCK
+from jsgl.engine.platform import TPU_SLOT_BLOCK, mixed_step_prefill
 from jsgl.engine.step_inputs import ForwardItem
 from jsgl.kernels import kv_quant
 from jsgl.model.config import LLAMA3_8B, ModelConfig
@@ -146,12 +149,14 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
     attn_flops = lambda queries, keys: 4 * queries * keys * config.num_heads * config.head_dim  # noqa: E731
     pages_each = -(-context // page_size)
     results = []
+
+    def decode_items(batch: int) -> list[ForwardItem]:  # request b's pages: whole pages after page 0, in turn
+        return [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,
+                            slots=np.arange(context, dtype=np.int32) + page_size * (1 + b * pages_each))
+                for b in range(batch)]
+
     for batch in decode_batches:
-        # Request b's pages: whole pages after page 0, one request after another.
-        items = [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,
-                             slots=np.arange(context, dtype=np.int32) + page_size * (1 + b * pages_each))
-                 for b in range(batch)]
-        first, median = time_step(runner, items, iters)
+        first, median = time_step(runner, decode_items(batch), iters)
         results.append(StepResult(f"decode b{batch} ctx{context}", batch, median, first,
                                   weight_bytes + batch * context * kv_token_bytes,
                                   2 * matmul_params(config) * batch + batch * attn_flops(1, context)))
@@ -163,4 +168,25 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
                               weight_bytes + prefill_tokens * kv_token_bytes,
                               2 * matmul_params(config) * prefill_tokens
                               + attn_flops(prefill_tokens, (prefill_tokens + 1) / 2)))
+    # A mixed step, as the engine's accelerator default makes one: the largest decode batch and the prefill its
+    # chunk's budget leaves, in one step; and that prefill alone, to set the mixed step against the two apart.
+    batch, mixed = max(decode_batches), mixed_step_prefill(prefill_tokens, max(decode_batches))
+    chunk = dataclasses.replace(item, token_ids=item.token_ids[:mixed], slots=item.slots[:mixed])
+    prefill_flops = 2 * matmul_params(config) * mixed + attn_flops(mixed, (mixed + 1) / 2)
+    first, median = time_step(runner, [chunk], iters)
+    results.append(StepResult(f"prefill {mixed}", mixed, median, first, weight_bytes + mixed * kv_token_bytes,
+                              prefill_flops))
+    first, median = time_step(runner, [*decode_items(batch), chunk], iters)
+    results.append(StepResult(f"mixed b{batch}+{mixed}", batch + mixed, median, first,
+                              weight_bytes + (batch * context + mixed) * kv_token_bytes,
+                              2 * matmul_params(config) * batch + batch * attn_flops(1, context) + prefill_flops))
     return results
+
+
+def mixed_summary(results: list[StepResult]) -> str:
+    """The mixed step against its decode and prefill steps run apart (run_steps' last three rows and its largest
+    decode): what a running request waits for a token while a prompt prefills, mixed or alternating."""
+    decode, prefill, mixed = results[-4], results[-2], results[-1]
+    apart = decode.median_s + prefill.median_s
+    return (f"mixed step {1e3 * mixed.median_s:.3f} ms vs {decode.name} + {prefill.name} apart "
+            f"{1e3 * apart:.3f} ms: {mixed.median_s / apart:.2f} of the time")

@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-workloads", action="store_true",
                     help="only the mixed arrivals, not the first/later runs of the other benches' workloads")
     ap.add_argument("--mixed-prefill-tokens", type=int, default=0,
-                    help="also run the arrivals on an engine with mixed steps of this many prefill tokens, and "
-                         "compare (default 0: not)")
+                    help="run the arrivals on an engine without mixed steps and on one with mixed steps of this "
+                         "many prefill tokens, and compare (default 0: one engine, the platform's default steps)")
     ap.add_argument("--model", default=None, help="default: the engine's default model")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of every part")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                                                args.later_runs or (1 if args.quick else 3)).result())
         workloads = combine_engines(per_engine)
     compiles = XlaCompiles()
-    engine = Engine(**kwargs)
+    # Compared with mixed steps, the first engine has none (else it runs the platform's default: on a GPU/TPU, mixed).
+    engine = Engine(**kwargs, **({"mixed_prefill_tokens": 0} if args.mixed_prefill_tokens else {}))
     stats = engine.stats()
     startup = {"total_s": stats["startup_s"], "precompile_s": stats["precompile_s"], "signatures": stats["compiles"]}
     try:

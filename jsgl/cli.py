@@ -29,7 +29,8 @@ ENGINE_HELP = {
     "prefill_share": "while requests decode, the most of the engine's time prefill steps take, in (0, 1]; a "
                      "prompt's chunks shrink as its context grows (1: prefill and decode steps alternate)",
     "mixed_prefill_tokens": "mixed steps: while requests decode, each step also carries at most this many prefill "
-                            "tokens (fewer at long context); 0: off",
+                            "tokens (fewer at long context); 0: off (default: on a GPU/TPU --chunked-prefill-size "
+                            "less --max-running-requests, at least half of it; off on CPU)",
     "context_length": "longest context of a request, in tokens (default: the model's max_position_embeddings)",
     "attention_backend": "attention kernels: native (pure JAX), pallas (GPU), tpu (Mosaic; not yet run on a TPU), cpu "
                          "(C++ kernel); auto: pallas on a GPU, tpu on a TPU (each checked against native on the device "
@@ -226,7 +227,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             accelerator = "tpu" if cfg.device == "tpu" else "gpu"
             platform = Platform(accelerator, "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
             defaults = resolve_defaults(platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
-                                        num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction)
+                                        num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction,
+                                        mixed_prefill_tokens=cfg.mixed_prefill_tokens,
+                                        chunked_prefill_size=cfg.chunked_prefill_size,
+                                        max_running_requests=cfg.max_running_requests)
             cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
             dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, platform.name)
             plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
@@ -241,7 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
               f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
-              f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}")
+              f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}, mixed steps "
+              + (f"of up to {cfg.mixed_prefill_tokens} prefill tokens" if cfg.mixed_prefill_tokens else "off"))
         print(f"backends: attention {backends.attention}, matmul {backends.matmul}, layers {backends.layers}")
         print(plan.render())
         return 0

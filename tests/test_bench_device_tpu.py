@@ -48,22 +48,24 @@ def test_steps_keep_the_layers_that_fit():
     assert layers_that_fit(int(15.75 * 2**30), slots, ["int8"]) > v5e  # half the KV bytes
 
 
-@pytest.mark.slow  # ~55 s on 2 cores: the interpreter runs each kernel program in Python
+@pytest.mark.slow  # ~40 s on 2 cores: the interpreter runs each kernel program in Python
 def test_tpu_part_at_smoke_size(capsys):
-    rc = bench_device.main(["--cpu-smoke", "--platform", "tpu", "--skip-engine", "--step-kv-dtypes", "int8",
-                            "--step-layers", "scanned"])
+    # bfloat16 kernel cases only, for the suite's time: the int8 format's kernel is checked in test_tpu_attention,
+    # and its engine steps here.
+    rc = bench_device.main(["--cpu-smoke", "--platform", "tpu", "--skip-engine", "--dtypes", "bfloat16",
+                            "--step-kv-dtypes", "int8", "--step-layers", "scanned"])
     out = capsys.readouterr().out
     assert rc == 0 and out.rstrip().endswith("all ok"), out
     cases = re.findall(r"^(decode|extend) (bfloat16|int8) .*B=(\d+) .*tolerance ([\d.e+-]+)\)$", out, re.M)
     assert [(kind, dtype, int(batch)) for kind, dtype, batch, _ in cases] == [
-        (kind, dtype, batch) for dtype in ("bfloat16", "int8") for kind, batch in (("decode", 3), ("decode", 1),
-                                                                                    ("extend", 2))], out
+        (kind, "bfloat16", batch) for kind, batch in (("decode", 3), ("decode", 1), ("extend", 2))], out
     errors = re.findall(r"^  (tpu|native)\s+max\|err\| (\S+) \[ok\]\s+[\d.]+ ms", out, re.M)
     assert len(errors) == 2 * len(cases), out  # every case measured both, within tolerance
     assert all(float(err) <= bench_device.TOLERANCE["bfloat16"] for _, err in errors), errors
     skipped = re.findall(r"^  jax-rpa\s+skipped: .*interpreter.*max\|err\| (\S+) \[ok\]$", out, re.M)
     assert len(skipped) == 3 and all(float(err) <= bench_device.TOLERANCE["bfloat16"] for err in skipped), out
-    assert len(re.findall(r"^  jax-rpa\s+n/a", out, re.M)) == 3, out  # int8: not compared
     assert re.search(r"^engine steps, tiny model, .*KV int8, layers scanned, tpu attention, pages of 4", out, re.M)
     steps = re.findall(r"^(decode b\d+ ctx40|prefill 16)\s+[\d.]+ ms", out, re.M)
     assert steps == ["decode b1 ctx40", "decode b2 ctx40", "prefill 16"], out
+    assert re.search(r"^mixed b2\+14\s+[\d.]+ ms", out, re.M) and re.search(r"^mixed step .* apart .* of the time$",
+                                                                          out, re.M), out

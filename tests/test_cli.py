@@ -327,6 +327,11 @@ def test_bench_grammar(results):
 def test_bench_device(results):
     out, _ = finished(results, "bench device")
     assert out.rstrip().endswith("all ok") and "tokens transformers' argmax" in out, out
+    # Every steps part sets a mixed step (the accelerators' default) against its decode and prefill apart.
+    parts = len(re.findall(r"^engine steps, ", out, re.M))
+    summaries = re.findall(r"^mixed step [\d.]+ ms vs decode b(\d+) ctx\d+ \+ prefill (\d+) apart [\d.]+ ms: "
+                           r"[\d.]+ of the time$", out, re.M)
+    assert parts and summaries == [("2", "14")] * parts, out  # --cpu-smoke: b2 beside 16 - 2 = 14 prefill tokens
 
 
 def test_bench_serve(results):

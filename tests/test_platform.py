@@ -54,6 +54,17 @@ def test_unset_fields_take_the_platforms_defaults_and_explicit_ones_win():
     assert resolve_defaults(CPU, **{**UNSET, "mem_fraction": 0.5}).mem_fraction == 0.5
 
 
+def test_mixed_steps_are_an_accelerators_default_within_the_chunks_budget():
+    # A GPU/TPU mixes a prompt's prefill into the decode steps, the step no larger than a prefill chunk; a CPU does
+    # not (it saves nothing there); an explicit value, 0 included, wins on either.
+    assert resolve_defaults(H100, **UNSET).mixed_prefill_tokens == 512 - 64
+    assert resolve_defaults(CPU, **UNSET).mixed_prefill_tokens == 0
+    assert resolve_defaults(H100, **UNSET, chunked_prefill_size=256, max_running_requests=200).mixed_prefill_tokens \
+        == 128  # at least half the chunk, beside many decodes
+    assert resolve_defaults(H100, **UNSET, mixed_prefill_tokens=0).mixed_prefill_tokens == 0
+    assert resolve_defaults(CPU, **UNSET, mixed_prefill_tokens=64).mixed_prefill_tokens == 64
+
+
 def test_an_80gb_gpu_without_flags_gives_an_8b_model_tens_of_gb_of_kv():
     config = ModelConfig.from_hf(LLAMA3_8B)
     defaults = resolve_defaults(H100, **UNSET)
@@ -164,7 +175,8 @@ def test_dry_run_prints_a_tpu_plan_for_an_8b_model(tmp_path, capsys):
     args = ["serve", "--dry-run", "--model", str(tmp_path), "--device-gb", "16", "--device", "tpu"]
     assert main([*args, "--tp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "tpu defaults: page size 16" in out and "backends: attention tpu, matmul xla, layers scanned" in out
+    assert "tpu defaults: page size 16, mixed steps of up to 448 prefill tokens" in out
+    assert "backends: attention tpu, matmul xla, layers scanned" in out
     assert re.search(r"weights +3\.74 GiB +per device", out) and re.search(r"KV pool +9\.\d\d GiB", out)
     # bfloat16 weights of an 8B model do not fit one 16 GB chip: said, with what to change.
     assert main(args) == 2

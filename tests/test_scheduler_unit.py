@@ -944,6 +944,22 @@ def test_a_higher_priority_preempts_the_lowest_newest_running_request_at_max_run
     assert [s.rid for s in sched.waiting] == ["low-new", "same"] and len(low_new.slots) == 0
 
 
+def test_a_higher_priority_preempts_beside_mixed_steps():
+    """Mixed steps (the accelerators' default) keep every running request in them: a waiting request that outranks
+    one gets a plain extend step instead, where it preempts as without mixed steps."""
+    sched, alloc = make(max_running=2, cache="none", padded=False, mixed_prefill_tokens=8, keys_per_token=16)
+    sched.add(seq(range(4), rid="low-old", arrival=0.0, max_new=20))
+    sched.add(seq(range(10, 14), rid="low-new", arrival=1.0, max_new=20))
+    step(sched)
+    sched.add(seq(range(100, 140), rid="same", arrival=2.0))
+    assert step(sched).is_decode and sched.stats.preemptions == 0  # max_running reached: it waits, no mixing
+    high = seq(range(30, 34), rid="high", arrival=3.0, priority=1)
+    sched.add(high)
+    assert shape(step(sched))[1] == ["high"] and sched.stats.preemptions == 1
+    assert [s.rid for s in sched.running] == ["low-old", "high"] and sched.stats.mixed_steps == 0
+    assert_pool_accounted(sched, alloc)
+
+
 def test_a_higher_priority_short_of_kv_takes_a_lower_ones_slots():
     sched, alloc = make(capacity=24, cache="none", chunk_size=32)
     low = seq(range(16), rid="low", max_new=20)

@@ -28,9 +28,10 @@ class EngineConfig:
     # share of the engine's time: a long prompt cannot stall them. 1: prefill and decode steps alternate.
     prefill_share: float = 0.5
     # Mixed steps: while requests decode, each step carries their tokens and at most this much prefill (in tokens
-    # at short context, fewer as a prompt's context grows). 0: off (on CPU a small prefill share costs throughput:
-    # docs/performance.md).
-    mixed_prefill_tokens: int = 0
+    # at short context, fewer as a prompt's context grows). 0: off. None: the platform's (jsgl.engine.platform):
+    # on a GPU/TPU the chunk's budget less max_running_requests (at least half the chunk); off on CPU, where they
+    # save nothing measurable (docs/performance.md).
+    mixed_prefill_tokens: int | None = None
     context_length: int | None = None  # defaults to the model's
     attention_backend: str = "auto"  # auto | native | pallas | tpu | cpu
     # The layers as one lax.scan (one layer compiled: compile time that does not grow with depth) or unrolled:
@@ -128,7 +129,8 @@ class EngineConfig:
                 or self.speculative_num_draft_tokens < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError("speculative_num_draft_tokens >= 1, speculative_max_batch >= 1 and 1 <= "
                              "speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
-        if self.mixed_prefill_tokens < 0 or not 0 < self.prefill_share <= 1:
+        if (self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0) \
+                or not 0 < self.prefill_share <= 1:
             raise ValueError("mixed_prefill_tokens >= 0 (0: no mixed steps), 0 < prefill_share <= 1")
         if (self.page_size is not None and self.page_size < 1) or self.max_running_requests < 1 \
                 or self.chunked_prefill_size < 16:

@@ -68,7 +68,10 @@ class Engine:
         # The platform's defaults fill what was left unset, so `config` reads as what runs (page size, pool).
         self.platform = current_platform(cfg.device)
         defaults = resolve_defaults(self.platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
-                                    num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction)
+                                    num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction,
+                                    mixed_prefill_tokens=cfg.mixed_prefill_tokens,
+                                    chunked_prefill_size=cfg.chunked_prefill_size,
+                                    max_running_requests=cfg.max_running_requests)
         self.config = cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
         enable_compilation_cache()
         self.dtype, self.kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, self.platform.name)

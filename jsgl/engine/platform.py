@@ -1,7 +1,8 @@
 """Where the engine runs, and the defaults that follow from it (SGLang's choices on an accelerator).
 
-On a GPU or TPU: pages of 16 slots and a KV pool sized from the device (``mem_fraction`` of its memory for
-weights + KV); on the CPU: token-granular pages and a 1 GiB pool, as the paper's runtime. Asking for a device
+On a GPU or TPU: pages of 16 slots, a KV pool sized from the device (``mem_fraction`` of its memory for
+weights + KV) and mixed prefill+decode steps; on the CPU: token-granular pages and a 1 GiB pool, as the paper's
+runtime, and prefill and decode steps apart. Asking for a device
 that is not there (``--device gpu`` on a machine whose JAX sees only its CPU) is an error naming what to
 install, never a silent CPU run.
 """
@@ -57,10 +58,26 @@ class PlatformDefaults:
     page_size: int
     kv_cache_gb: float | None  # None: size the pool from mem_fraction
     mem_fraction: float | None
+    mixed_prefill_tokens: int  # 0: no mixed steps
+
+
+def default_mixed_prefill_tokens(platform: Platform, chunked_prefill_size: int, max_running_requests: int) -> int:
+    """Mixed steps where they pay: on an accelerator a step's cost is mostly reading the weights until it holds a
+    few hundred tokens, so prefill riding in a decode step costs little and saves a step; the running decodes and
+    the prefill share the chunk's token budget (vLLM's), so no step is larger than a prefill chunk. On CPU a step
+    costs about its tokens: mixing saves nothing measurable and a small share slows prefill (docs/performance.md)."""
+    return mixed_step_prefill(chunked_prefill_size, max_running_requests) if platform.accelerator else 0
+
+
+def mixed_step_prefill(chunked_prefill_size: int, max_running_requests: int) -> int:
+    """The prefill tokens a mixed step carries beside ``max_running_requests`` decodes: the chunk's budget less
+    theirs, at least half a chunk."""
+    return max(chunked_prefill_size - max_running_requests, chunked_prefill_size // 2)
 
 
 def resolve_defaults(platform: Platform, *, page_size: int | None, kv_cache_gb: float | None,
-                     num_kv_slots: int | None, mem_fraction: float | None) -> PlatformDefaults:
+                     num_kv_slots: int | None, mem_fraction: float | None, mixed_prefill_tokens: int | None = None,
+                     chunked_prefill_size: int = 512, max_running_requests: int = 64) -> PlatformDefaults:
     """Fill the fields the user left unset: an explicit pool size or fraction always wins."""
     if page_size is None:
         page_size = ACCELERATOR_PAGE_SIZE if platform.accelerator else 1
@@ -69,7 +86,9 @@ def resolve_defaults(platform: Platform, *, page_size: int | None, kv_cache_gb: 
             mem_fraction = ACCELERATOR_MEM_FRACTION
         else:
             kv_cache_gb = CPU_KV_CACHE_GB
-    return PlatformDefaults(page_size, kv_cache_gb, mem_fraction)
+    if mixed_prefill_tokens is None:
+        mixed_prefill_tokens = default_mixed_prefill_tokens(platform, chunked_prefill_size, max_running_requests)
+    return PlatformDefaults(page_size, kv_cache_gb, mem_fraction, mixed_prefill_tokens)
 
 
 def gpu_preallocation() -> float | None:

@@ -113,9 +113,12 @@ class Scheduler:
     # ---------------------------------------------------------------------------------- batching
     def schedule(self) -> Batch | None:
         self.running = [s for s in self.running if not s.finished]
+        # A waiting request that outranks a running one gets a plain extend step: there it may preempt (a mixed
+        # step keeps every running request in it).
         if self.running and (self.prefilling or self.waiting) and self.mixed_prefill_tokens \
-                and not self.padded_attention:
+                and not self.padded_attention and not (self._prioritized and self._outranked(self.running)):
             batch = self._schedule_mixed()
+            self._last_was_extend = False  # every running request decoded in it
             if batch is not None:
                 self.count_step(batch.is_decode, len(batch.seqs))
                 self.stats.mixed_steps += not (batch.is_decode or batch.decoding)  # decoding: no prefill in it
@@ -234,7 +237,7 @@ class Scheduler:
             self.waiting = self.order_waiting(self.waiting)
         if self._prioritized:
             self.waiting.sort(key=lambda s: -s.params.priority)  # stable: the policy's order within a priority
-        # A waiting request may retract running ones of a lower priority (not in a mixed step: they are in it).
+        # A waiting request may retract running ones of a lower priority (a mixed step is not scheduled then).
         preempting = self._prioritized and not mixed and self._outranked(self.running)
         deferred: list[Sequence] = []
         held: list[Sequence] = []  # long prompts behind the long prefill under way
