@@ -173,11 +173,13 @@ def test_pallas_backend_honours_the_window(checkpoints, family, page_size, layer
     folder, model = checkpoints[family]
     tokenizer = load_tokenizer(folder)
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
+    # Mixed steps, as a GPU's default: the short prompts decode beside the long one's later chunks.
     engine = Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, attention_backend="pallas",
-                    matmul_backend="xla", page_size=page_size, layers=layers)
+                    matmul_backend="xla", page_size=page_size, layers=layers, mixed_prefill_tokens=8)
     try:
         outs = engine.generate(PROMPTS, {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True})
         assert [out.token_ids for out in outs] == expected
+        assert engine.stats()["mixed_steps"] > 0
     finally:
         engine.shutdown()
 
@@ -198,11 +200,12 @@ def test_tpu_kernel_engine_matches_transformers(checkpoints, monkeypatch):
     tokenizer = load_tokenizer(folder)
     expected = [hf_greedy(model, tokenizer(p).input_ids) for p in PROMPTS]
     engine = engine_module.Engine(model=folder, num_kv_slots=1024, chunked_prefill_size=16, page_size=16,
-                                  precompile="off", weights_cache="off")
+                                  precompile="off", weights_cache="off", mixed_prefill_tokens=8)  # a TPU's default
     greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
     try:
         assert (engine.backends.attention, engine.backends.matmul, engine.backends.scanned) == ("tpu", "xla", True)
         assert [out.token_ids for out in engine.generate(PROMPTS, greedy)] == expected
+        assert engine.stats()["mixed_steps"] > 0  # decodes beside a prompt's chunks, in one kernel call
         # A follow-up over the first prompt: its whole pages come from the radix cache, the rest is one extend.
         follow_up = PROMPTS[0] + " The farmer waves."
         out = engine.generate(follow_up, greedy)
