@@ -31,8 +31,10 @@ In-process through `Engine` (no HTTP; `jsgl bench server` measures the server). 
   at least 2 tokens. p50/p99 over the run's requests. ITL: the gaps between a request's consecutive chunks that
   carried tokens, as a streaming client sees them, p50/p99 over all gaps of the run.
 - `--mixed-prefill-tokens N`: the same arrivals, cold and warm, on a second engine whose decode steps carry up to
-  N prefill tokens (mixed steps), beside the first: ITL p99 and output tokens/s as on/off ratios of the warm runs,
-  and whether every greedy output is the same.
+  N prefill tokens (mixed steps), beside the first (which then has none): ITL p99 and output tokens/s as on/off
+  ratios of the warm runs, and whether every greedy output is the same; then, on that engine's runner, a mixed
+  step's cost against its decode and prefill apart (decode b16/b64 at 512 tokens of context beside 16, 64 and N
+  prefill tokens; experiments/mixed_step_costs.py).
 - compiles: XLA compiles during the run, of any jitted function (step shapes, the sampler, small host-side
   jits), loads from the persistent cache included: JAX's monitoring events. Each is a stall: a step shape's
   lowering alone takes ~0.1-0.5 s here.
@@ -49,10 +51,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+from jsgl.experiments.mixed_step_costs import MixedCost, measure
 
 JSON_REGEX = r'\{"name": "[A-Z][a-z]{1,12}", "age": [1-9][0-9]?, "city": "[A-Z][a-z]{1,12}"\}'
 JSON_PROMPT = "Invent a person and describe them as JSON with the keys name, age and city."
@@ -341,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_engine.append(child.submit(fresh_engine_workloads, kwargs, args.quick,
                                                args.later_runs or (1 if args.quick else 3)).result())
         workloads = combine_engines(per_engine)
+    costs: list[MixedCost] = []
     compiles = XlaCompiles()
     # Compared with mixed steps, the first engine has none (else it runs the platform's default: on a GPU/TPU, mixed).
     engine = Engine(**kwargs, **({"mixed_prefill_tokens": 0} if args.mixed_prefill_tokens else {}))
@@ -366,16 +370,25 @@ def main(argv: list[str] | None = None) -> int:
             runs["cold+mixed"] = run_workload(engine, work, arrivals, compiles)
             engine.flush_cache()
             runs["warm+mixed"] = run_workload(engine, work, arrivals, compiles)
+            engine.flush_cache()  # the step costs write over the pool
+            costs = measure(engine.runner, batches=[2] if args.quick else [16, 64],
+                            prefills=sorted({16, 64, args.mixed_prefill_tokens}) if not args.quick
+                            else [args.mixed_prefill_tokens], context=32 if args.quick else 512,
+                            iters=2 if args.quick else 5)
     finally:
         engine.shutdown()
         compiles.close()
     print_table(startup, args.precompile, runs, workloads)
+    if costs:
+        print("mixed step vs its decode and prefill apart (warm steps on the mixed engine's runner, medians):")
+        print("\n".join(c.row() for c in costs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"startup": startup, "workloads": workloads, "precompile": args.precompile,
                        "num_requests": n, "rate": rate, "seed": args.seed, "sources": notes, "counts": counts,
                        **{name: {k: v for k, v in r.items() if k != "texts"} for name, r in runs.items()},
-                       "cold_warm_wall_ratio": runs["cold"]["wall_s"] / runs["warm"]["wall_s"]}, f, indent=2)
+                       "cold_warm_wall_ratio": runs["cold"]["wall_s"] / runs["warm"]["wall_s"],
+                       "mixed_step_costs": [{**asdict(c), "ratio": c.ratio} for c in costs]}, f, indent=2)
     return 0
 
 

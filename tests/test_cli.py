@@ -56,7 +56,8 @@ COMMANDS: dict[str, tuple[list[str], str | None]] = {
     "bench validation": (["bench", "validation", "--repeats", "1", "--batch", "10", "--http-requests", "1"], None),
     "bench grammar": (["bench", "grammar", "--cities", "2", "--build-reps", "1", "--reps", "1"], None),
     "bench serve": (["bench", "serve", "--quick", "--num-requests", "4", "--precompile", "all",
-                     "--max-running-requests", "8", "--chunked-prefill-size", "64"], None),  # 10 step shapes
+                     "--max-running-requests", "8", "--chunked-prefill-size", "64", "--mixed-prefill-tokens", "16"],
+                    None),  # 10 step shapes
     "bench startup": (["bench", "startup", "--quick", "--modes", "common"], None),  # two fresh processes
     "bench metrics": (["bench", "metrics", "--quick"], None),
     "bench workloads": (["bench", "workloads", "--only", "mmlu,json", "--programs", "1", "--latency-programs", "1"],
@@ -344,9 +345,16 @@ def test_bench_serve(results):
                  if line.startswith(("decode b1 ", "decode b16 ", "mmlu 5-shot ", "json regex "))}
     assert set(workloads) == {"decode b1", "decode b16", "mmlu 5-shot", "json regex"}, out
     assert all(w[-2:] == ["0", "0"] for w in workloads.values()), out  # compiles in the first and later runs
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold ", "warm "))}
-    assert set(rows) == {"cold", "warm"} and all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("cold", "warm"))}
+    assert set(rows) == {"cold", "warm", "cold+mixed", "warm+mixed", "cold/warm"}, out
+    rows.pop("cold/warm")
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows.values()), out
     assert all(r[-1] == "0" for r in rows.values()), out
+    # Mixed steps change no greedy output, and their cost is set against the steps they replace.
+    assert re.search(r"^mixed steps, warm runs \(on/off\): ITL p99 [\d.]+, out tok/s [\d.]+; greedy outputs "
+                     r"identical: True$", out, re.M), out
+    assert re.search(r"^decode b2 ctx32 +[\d.]+ ms \+ prefill +16 +[\d.]+ ms = +[\d.]+ ms apart; mixed +[\d.]+ ms: "
+                     r"[\d.]+$", out, re.M), out
 
 
 def test_bench_speculative(results):
