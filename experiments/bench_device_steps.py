@@ -186,7 +186,9 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
 def mixed_summary(results: list[StepResult]) -> str:
     """The mixed step against its decode and prefill steps run apart (run_steps' last three rows and its largest
     decode): what a running request waits for a token while a prompt prefills, mixed or alternating."""
-    decode, prefill, mixed = results[-4], results[-2], results[-1]
+    prefill, mixed = results[-2], results[-1]
+    batch = mixed.name.split()[1].split("+")[0]  # "mixed b64+448": the largest decode batch's row
+    decode = next(r for r in results if r.name.startswith(f"decode {batch} "))
     apart = decode.median_s + prefill.median_s
     return (f"mixed step {1e3 * mixed.median_s:.3f} ms vs {decode.name} + {prefill.name} apart "
             f"{1e3 * apart:.3f} ms: {mixed.median_s / apart:.2f} of the time")

@@ -55,7 +55,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from jsgl.experiments.mixed_step_costs import MixedCost, measure
 
 JSON_REGEX = r'\{"name": "[A-Z][a-z]{1,12}", "age": [1-9][0-9]?, "city": "[A-Z][a-z]{1,12}"\}'
 JSON_PROMPT = "Invent a person and describe them as JSON with the keys name, age and city."
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_engine.append(child.submit(fresh_engine_workloads, kwargs, args.quick,
                                                args.later_runs or (1 if args.quick else 3)).result())
         workloads = combine_engines(per_engine)
-    costs: list[MixedCost] = []
+    costs: list[Any] = []  # MixedCost
     compiles = XlaCompiles()
     # Compared with mixed steps, the first engine has none (else it runs the platform's default: on a GPU/TPU, mixed).
     engine = Engine(**kwargs, **({"mixed_prefill_tokens": 0} if args.mixed_prefill_tokens else {}))
@@ -371,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.flush_cache()
             runs["warm+mixed"] = run_workload(engine, work, arrivals, compiles)
             engine.flush_cache()  # the step costs write over the pool
+            from jsgl.experiments.mixed_step_costs import measure
+
             costs = measure(engine.runner, batches=[2] if args.quick else [16, 64],
                             prefills=sorted({16, 64, args.mixed_prefill_tokens}) if not args.quick
                             else [args.mixed_prefill_tokens], context=32 if args.quick else 512,

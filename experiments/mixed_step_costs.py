@@ -58,7 +58,8 @@ def measure(runner: ModelRunner, *, batches: list[int], prefills: list[int], con
     usable = runner.num_slots - page  # page 0 holds the reserved slot 0
     context = min(context, (usable - round_up(max(prefills))) // max(batches) // page * page)
     if context < 2:
-        raise ValueError(f"a pool of {runner.num_slots} slots is too small for decodes at batch {max(batches)}")
+        raise ValueError(f"a pool of {runner.num_slots} slots is too small for decodes at batch {max(batches)} "
+                         f"beside a {max(prefills)}-token prefill")
 
     def decodes(batch: int) -> list[ForwardItem]:
         return [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,

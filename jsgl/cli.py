@@ -27,7 +27,8 @@ ENGINE_HELP = {
     "max_running_requests": "most requests running at once (batch size of a decode step)",
     "chunked_prefill_size": "most new prompt tokens per prefill (extend) step, in tokens; at least 16",
     "prefill_share": "while requests decode, the most of the engine's time prefill steps take, in (0, 1]; a "
-                     "prompt's chunks shrink as its context grows (1: prefill and decode steps alternate)",
+                     "prompt's chunks shrink as its context grows (1: prefill and decode steps alternate); steps "
+                     "apart only (mixed steps carry their own budget)",
     "mixed_prefill_tokens": "mixed steps: while requests decode, each step also carries at most this many prefill "
                             "tokens (fewer at long context); 0: off (default: on a GPU/TPU --chunked-prefill-size "
                             "less --max-running-requests, at least half of it; off on CPU)",
@@ -216,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
         from jsgl.engine.backends import resolve_backends
         from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
-        from jsgl.engine.platform import Platform, current_platform, resolve_defaults
+        from jsgl.engine.platform import Platform, current_platform, max_step_tokens, resolve_defaults
 
         cfg = engine_config(args)
         config = load_config(cfg.model)
@@ -233,13 +234,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                         max_running_requests=cfg.max_running_requests)
             cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
             dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, platform.name)
-            plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
-                               num_kv_slots=cfg.num_kv_slots, max_step_tokens=cfg.chunked_prefill_size,
-                               max_batch=cfg.max_running_requests, device_bytes=device,
-                               weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
             backends = resolve_backends(cfg.attention_backend, cfg.matmul_backend, tp=cfg.tp, dtype=dtype,
                                         kv_dtype=kv_dtype, page_size=cfg.page_size, platform=platform.name,
                                         layers=cfg.layers)
+            if not backends.length_free(config):  # as the engine: padded attention mixes no steps
+                cfg = dataclasses.replace(cfg, mixed_prefill_tokens=0)
+            plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
+                               num_kv_slots=cfg.num_kv_slots,
+                               max_step_tokens=max_step_tokens(cfg.chunked_prefill_size, cfg.mixed_prefill_tokens,
+                                                               cfg.max_running_requests),
+                               max_batch=cfg.max_running_requests, device_bytes=device,
+                               weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
         except ValueError as exc:
             print(f"jsgl serve: {exc}", file=sys.stderr)
             return 2

@@ -19,6 +19,7 @@ from jsgl.engine.platform import (
     Platform,
     current_platform,
     gpu_preallocation,
+    max_step_tokens,
     resolve_defaults,
 )
 from jsgl.kernels.attention import resolve_attention_backend
@@ -63,6 +64,20 @@ def test_mixed_steps_are_an_accelerators_default_within_the_chunks_budget():
         == 128  # at least half the chunk, beside many decodes
     assert resolve_defaults(H100, **UNSET, mixed_prefill_tokens=0).mixed_prefill_tokens == 0
     assert resolve_defaults(CPU, **UNSET, mixed_prefill_tokens=64).mixed_prefill_tokens == 64
+    # The memory plan's largest step: a chunk, or a mixed step's prefill beside every running request.
+    assert max_step_tokens(512, 448, 64) == max_step_tokens(512, 0, 64) == 512
+    assert max_step_tokens(256, 128, 200) == 328
+
+
+def test_dry_run_says_padded_attention_mixes_no_steps(tmp_path, capsys):
+    from jsgl.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = ["serve", "--dry-run", "--model", str(tmp_path), "--device-gb", "80", "--device", "gpu"]
+    assert main(args) == 0
+    assert "gpu defaults: page size 16, mixed steps of up to 448 prefill tokens" in capsys.readouterr().out
+    assert main([*args, "--attention-backend", "native"]) == 0
+    assert "gpu defaults: page size 16, mixed steps off" in capsys.readouterr().out
 
 
 def test_an_80gb_gpu_without_flags_gives_an_8b_model_tens_of_gb_of_kv():

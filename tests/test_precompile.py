@@ -169,9 +169,10 @@ def test_padded_attention_precompiles_the_sampler_for_the_extends_it_leaves_to_f
     places them."""
     jax.clear_caches()
     engine = Engine(precompile="common", attention_backend="native", max_running_requests=2, chunked_prefill_size=64,
-                    context_length=128, kv_cache_gb=0.1)
+                    context_length=128, kv_cache_gb=0.1, mixed_prefill_tokens=32)
     try:
         assert not engine.runner.ragged
+        assert engine.config.mixed_prefill_tokens == 0  # padded steps are never mixed: the config says so
         with XlaCompiles() as compiled:
             engine.generate(["Story:", "Hello"], {"max_new_tokens": 4, "temperature": 0.8}, progress=False)
     finally:

@@ -33,7 +33,7 @@ from jsgl.engine.metrics import EngineMetrics
 from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import CPU_OVERLAP_MAX_BATCH, OverlapScheduler
-from jsgl.engine.platform import current_platform, describe, pool_slots, resolve_defaults
+from jsgl.engine.platform import current_platform, describe, max_step_tokens, pool_slots, resolve_defaults
 from jsgl.engine.precompiler import StepCompiler
 from jsgl.engine.request import GenerateOutput, InvalidRequestError, SamplingParams, new_request_id
 from jsgl.engine.sampling_params import expand_parallel_samples
@@ -89,13 +89,20 @@ class Engine:
         self.backends = checked_on_device(self.backends, cfg.attention_backend, self.model_config, self.kv_dtype,
                                           cfg.page_size, self.platform.name)
         load_s = time.perf_counter() - started
+        if cfg.mixed_prefill_tokens and not self.backends.length_free(self.model_config):
+            # The scheduler mixes no steps whose attention is padded to their longest request: said, and config says so.
+            log.info("mixed steps off: %s attention pads each step to its longest request", self.backends.attention)
+            self.config = cfg = dataclasses.replace(cfg, mixed_prefill_tokens=0)
         self.tokenizer = load_tokenizer(cfg.model)
         self.stop_ids = stop_token_ids(self.tokenizer, list(self.model_config.eos_token_ids))
         self.max_context = min(cfg.context_length or self.model_config.max_position_embeddings,
                                self.model_config.max_position_embeddings)
         self.memory_plan = plan_memory(self.model_config, tp=cfg.tp, mem_fraction=cfg.mem_fraction,
                                        kv_cache_gb=cfg.kv_cache_gb, num_kv_slots=cfg.num_kv_slots,
-                                       max_step_tokens=cfg.chunked_prefill_size, max_batch=cfg.max_running_requests,
+                                       max_step_tokens=max_step_tokens(cfg.chunked_prefill_size,
+                                                                       cfg.mixed_prefill_tokens,
+                                                                       cfg.max_running_requests),
+                                       max_batch=cfg.max_running_requests,
                                        weight_itemsize=self.dtype.itemsize, kv_dtype=self.kv_dtype)
         num_slots = self.memory_plan.num_slots
         if cfg.mem_fraction is not None or self.platform.accelerator:

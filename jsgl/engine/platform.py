@@ -64,7 +64,8 @@ class PlatformDefaults:
 def default_mixed_prefill_tokens(platform: Platform, chunked_prefill_size: int, max_running_requests: int) -> int:
     """Mixed steps where they pay: on an accelerator a step's cost is mostly reading the weights until it holds a
     few hundred tokens, so prefill riding in a decode step costs little and saves a step; the running decodes and
-    the prefill share the chunk's token budget (vLLM's), so no step is larger than a prefill chunk. On CPU a step
+    the prefill share the chunk's token budget (vLLM's), so with the defaults no step is larger than a prefill chunk
+    (with more running requests than half a chunk, ``max_step_tokens``). On CPU a step
     costs about its tokens: mixing saves nothing measurable and a small share slows prefill (docs/performance.md)."""
     return mixed_step_prefill(chunked_prefill_size, max_running_requests) if platform.accelerator else 0
 
@@ -73,6 +74,12 @@ def mixed_step_prefill(chunked_prefill_size: int, max_running_requests: int) -> 
     """The prefill tokens a mixed step carries beside ``max_running_requests`` decodes: the chunk's budget less
     theirs, at least half a chunk."""
     return max(chunked_prefill_size - max_running_requests, chunked_prefill_size // 2)
+
+
+def max_step_tokens(chunked_prefill_size: int, mixed_prefill_tokens: int, max_running_requests: int) -> int:
+    """The most new tokens one step holds (what the memory plan sizes activations for): a prefill chunk, or a mixed
+    step's prefill beside every running request's token, whichever is larger."""
+    return max(chunked_prefill_size, mixed_prefill_tokens + max_running_requests if mixed_prefill_tokens else 0)
 
 
 def resolve_defaults(platform: Platform, *, page_size: int | None, kv_cache_gb: float | None,

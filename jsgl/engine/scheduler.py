@@ -118,8 +118,8 @@ class Scheduler:
         if self.running and (self.prefilling or self.waiting) and self.mixed_prefill_tokens \
                 and not self.padded_attention and not (self._prioritized and self._outranked(self.running)):
             batch = self._schedule_mixed()
-            self._last_was_extend = False  # every running request decoded in it
             if batch is not None:
+                self._last_was_extend = False  # every running request decoded in it
                 self.count_step(batch.is_decode, len(batch.seqs))
                 self.stats.mixed_steps += not (batch.is_decode or batch.decoding)  # decoding: no prefill in it
             return batch
