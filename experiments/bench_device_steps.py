@@ -90,6 +90,22 @@ def time_step(runner: ModelRunner, items: list[ForwardItem], iters: int) -> tupl
     return first, statistics.median(times)
 
 
+def decode_items(batch: int, context: int, page_size: int) -> list[ForwardItem]:
+    """``batch`` requests decoding their last token at ``context``: request b's pages are whole pages after page 0
+    (the reserved slot 0's), one request after another."""
+    pages_each = -(-context // page_size)
+    return [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,
+                        slots=np.arange(context, dtype=np.int32) + page_size * (1 + b * pages_each))
+            for b in range(batch)]
+
+
+def prefill_item(tokens: int, batch: int, context: int, page_size: int) -> ForwardItem:
+    """A ``tokens``-token prefill from position 0, on the pages after ``decode_items(batch, ...)``'s."""
+    start = page_size * (1 + batch * -(-context // page_size))
+    return ForwardItem(token_ids=np.ones(tokens, np.int32), start_pos=0,
+                       slots=np.arange(start, start + tokens, dtype=np.int32))
+
+
 def slots_needed(context: int, prefill_tokens: int, decode_batches: list[int], page_size: int) -> int:
     """Pool slots for the steps: page 0 (the reserved slot 0's), whole pages per decode request, the prefill's."""
     pages_each = -(-context // page_size)
@@ -147,23 +163,13 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
     weight_bytes = matmul_params(config) * dtype.itemsize
     kv_token_bytes = 2 * config.num_layers * config.num_kv_heads * kv_quant.bytes_per_head_token(kv, config.head_dim)
     attn_flops = lambda queries, keys: 4 * queries * keys * config.num_heads * config.head_dim  # noqa: E731
-    pages_each = -(-context // page_size)
     results = []
-
-    def decode_items(batch: int) -> list[ForwardItem]:  # request b's pages: whole pages after page 0, in turn
-        return [ForwardItem(token_ids=np.ones(1, np.int32), start_pos=context - 1,
-                            slots=np.arange(context, dtype=np.int32) + page_size * (1 + b * pages_each))
-                for b in range(batch)]
-
     for batch in decode_batches:
-        first, median = time_step(runner, decode_items(batch), iters)
+        first, median = time_step(runner, decode_items(batch, context, page_size), iters)
         results.append(StepResult(f"decode b{batch} ctx{context}", batch, median, first,
                                   weight_bytes + batch * context * kv_token_bytes,
                                   2 * matmul_params(config) * batch + batch * attn_flops(1, context)))
-    start = page_size * (1 + max(decode_batches) * pages_each)
-    item = ForwardItem(token_ids=np.ones(prefill_tokens, np.int32), start_pos=0,
-                       slots=np.arange(start, start + prefill_tokens, dtype=np.int32))
-    first, median = time_step(runner, [item], iters)
+    first, median = time_step(runner, [prefill_item(prefill_tokens, max(decode_batches), context, page_size)], iters)
     results.append(StepResult(f"prefill {prefill_tokens}", prefill_tokens, median, first,
                               weight_bytes + prefill_tokens * kv_token_bytes,
                               2 * matmul_params(config) * prefill_tokens
@@ -171,12 +177,12 @@ def run_steps(*, config: ModelConfig, context: int, prefill_tokens: int, decode_
     # A mixed step, as the engine's accelerator default makes one: the largest decode batch and the prefill its
     # chunk's budget leaves, in one step; and that prefill alone, to set the mixed step against the two apart.
     batch, mixed = max(decode_batches), mixed_step_prefill(prefill_tokens, max(decode_batches))
-    chunk = dataclasses.replace(item, token_ids=item.token_ids[:mixed], slots=item.slots[:mixed])
+    chunk = prefill_item(mixed, batch, context, page_size)
     prefill_flops = 2 * matmul_params(config) * mixed + attn_flops(mixed, (mixed + 1) / 2)
     first, median = time_step(runner, [chunk], iters)
     results.append(StepResult(f"prefill {mixed}", mixed, median, first, weight_bytes + mixed * kv_token_bytes,
                               prefill_flops))
-    first, median = time_step(runner, [*decode_items(batch), chunk], iters)
+    first, median = time_step(runner, [*decode_items(batch, context, page_size), chunk], iters)
     results.append(StepResult(f"mixed b{batch}+{mixed}", batch + mixed, median, first,
                               weight_bytes + (batch * context + mixed) * kv_token_bytes,
                               2 * matmul_params(config) * batch + batch * attn_flops(1, context) + prefill_flops))
@@ -187,8 +193,7 @@ def mixed_summary(results: list[StepResult]) -> str:
     """The mixed step against its decode and prefill steps run apart (run_steps' last three rows and its largest
     decode): what a running request waits for a token while a prompt prefills, mixed or alternating."""
     prefill, mixed = results[-2], results[-1]
-    batch = mixed.name.split()[1].split("+")[0]  # "mixed b64+448": the largest decode batch's row
-    decode = next(r for r in results if r.name.startswith(f"decode {batch} "))
+    decode = next(r for r in results if r.name.startswith("decode") and r.tokens == mixed.tokens - prefill.tokens)
     apart = decode.median_s + prefill.median_s
     return (f"mixed step {1e3 * mixed.median_s:.3f} ms vs {decode.name} + {prefill.name} apart "
             f"{1e3 * apart:.3f} ms: {mixed.median_s / apart:.2f} of the time")

@@ -372,10 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.flush_cache()  # the step costs write over the pool
             from jsgl.experiments.mixed_step_costs import measure
 
-            costs = measure(engine.runner, batches=[2] if args.quick else [16, 64],
-                            prefills=sorted({16, 64, args.mixed_prefill_tokens}) if not args.quick
-                            else [args.mixed_prefill_tokens], context=32 if args.quick else 512,
-                            iters=2 if args.quick else 5)
+            sizes = (dict(batches=[2], prefills=[args.mixed_prefill_tokens], context=32, iters=2) if args.quick else
+                     dict(batches=[16, 64], prefills=sorted({16, 64, args.mixed_prefill_tokens}), context=512))
+            costs = measure(engine.runner, **sizes)
     finally:
         engine.shutdown()
         compiles.close()
