@@ -27,6 +27,7 @@ from jsgl.engine.detokenizer import IncrementalDetokenizer
 from jsgl.engine.engine_loop import EngineLoop, release_constraints
 from jsgl.engine.handle import RequestHandle
 from jsgl.engine.kv_pool import SlotAllocator
+from jsgl.engine.lifecycle import EngineThreads, stop_when_unused
 from jsgl.engine.mailbox import Mailbox
 from jsgl.engine.memory import plan_memory, resolve_dtypes
 from jsgl.engine.metrics import EngineMetrics
@@ -150,11 +151,14 @@ class Engine:
         speculator = make_speculator(cfg, self.prefix_cache, self.scheduler.token_limit, self.platform.name)
         self.loop = EngineLoop(cfg, self.mailbox, self.scheduler, self.runner, self.prefix_cache, self.constraints,
                                self.outputs, overlap, speculator)
+        self.is_follower = cfg.node_rank > 0
+        # Stopped by shutdown(), on collection or at exit (before finalization aborts a thread inside XLA).
+        self._stop_threads = stop_when_unused(self, EngineThreads(self.runner, self.mailbox, self.loop,
+                                                                  self.is_follower))
         self.startup_s = {"load": load_s, "precompile": self._precompile(), "total": time.perf_counter() - started}
         self._metrics_lock = threading.Lock()
         # Multi-process: rank 0 sends each step to the others, which run them in ``follow`` instead of a loop.
         self._channel = multihost.StepChannel(cfg.page_size, self.model_config.vocab_size) if cfg.nnodes > 1 else None
-        self.is_follower = cfg.node_rank > 0
         if self.is_follower:
             return
         self.runner.channel = self._channel
@@ -234,9 +238,8 @@ class Engine:
         policy, starvation = self.config.schedule_policy, self.config.starvation_s
         if policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {policy!r}; known: {POLICIES}")
-        rng = random.Random(self.config.seed)
-        return lambda waiting: order_waiting(waiting, policy, self.prefix_cache, time.monotonic(),
-                                             starvation, rng=rng)
+        rng, cache = random.Random(self.config.seed), self.prefix_cache  # (not self: the engine stays collectable)
+        return lambda waiting: order_waiting(waiting, policy, cache, time.monotonic(), starvation, rng=rng)
 
     # ---------------------------------------------------------------------------------- public API
     def submit(self, prompt: str | SpannedPrompt | Seq[int], sampling_params: SamplingParams | dict | None = None,
@@ -279,7 +282,7 @@ class Engine:
         seq.stop_ids |= set(params.stop_token_ids or [])
         future = self.constraints.prepare(seq)
         if future is not None:
-            future.add_done_callback(lambda _: self.mailbox.wake())
+            future.add_done_callback(lambda _, mailbox=self.mailbox: mailbox.wake())
         return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> list[RequestHandle]:
@@ -307,12 +310,17 @@ class Engine:
             single = False
         handles = self.submit_batch(batch, params)
         show = progress if progress is not None else (not single and len(batch) > 1)
-        if show:
-            from tqdm.auto import tqdm
+        try:
+            if show:
+                from tqdm.auto import tqdm
 
-            outputs = [h.result() for h in tqdm(handles, desc="generate", unit="req")]
-        else:
-            outputs = [h.result() for h in handles]
+                outputs = [h.result() for h in tqdm(handles, desc="generate", unit="req")]
+            else:
+                outputs = [h.result() for h in handles]
+        except BaseException:  # a Ctrl-C: its requests end (their KV freed) and the engine serves on
+            for handle in handles:
+                handle.abort()
+            raise
         return outputs[0] if single else outputs
 
     def abort(self, request_id: str) -> None:
@@ -384,14 +392,9 @@ class Engine:
         return self.loop.is_alive()
 
     def shutdown(self) -> None:
-        self.runner.compiler.stop()
-        if self.is_follower:
-            return
-        self.mailbox.stop()
-        self.loop.join(timeout=30)
-        if self._channel is not None and not self.loop.is_alive():  # the loop's last step is done: release the others
-            self._channel.send_control(multihost.STOP)
-            self._channel = None
+        """Stop the engine's threads: queued and running requests end as aborted. Idempotent; also done when the
+        engine is collected or the interpreter exits."""
+        self._stop_threads()
 
     def __enter__(self) -> Engine:
         return self

@@ -64,6 +64,9 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def join(self, timeout: float) -> None:
         self._thread.join(timeout=timeout)
 

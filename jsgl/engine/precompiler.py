@@ -99,6 +99,8 @@ class StepCompiler:
                         continue
                     if signature[0] <= WARM_RUN_MAX_TOKENS:
                         self._unwarmed.append(signature)
+                if self._stop.is_set():  # (a sampler compile is one more wait for a shutdown)
+                    return
                 self._warm_samplers(upto=signature[1])
             if not self._when_idle():
                 return

@@ -46,7 +46,7 @@ from jsgl.lang.choices import (
 from jsgl.lang.compiler import CompiledFunction
 from jsgl.lang.function import SglFunction, function, get_default_backend
 from jsgl.lang.global_config import global_config
-from jsgl.lang.interpreter import ProgramError, StreamExecutor
+from jsgl.lang.interpreter import ProgramError, ProgramInterrupted, StreamExecutor
 from jsgl.lang.ir import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from jsgl.lang.reasoning import ReasoningParser
 from jsgl.lang.runtime_backend import EngineBackend, Runtime
@@ -66,6 +66,7 @@ __all__ = [
     "EngineBackend",
     "ForkedStates",
     "ProgramError",
+    "ProgramInterrupted",
     "ProgramState",
     "ProgramStateGroup",
     "ReasoningParser",

@@ -12,6 +12,8 @@ import threading
 import traceback
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from jsgl.engine.spanned_prompt import SpannedPrompt
@@ -56,6 +58,10 @@ def merge_stream_meta(pending: dict[str, Any] | None, meta: dict[str, Any] | Non
 
 class ProgramError(RuntimeError):
     """Raised when reading a variable that was never produced because the program failed earlier."""
+
+
+class ProgramInterrupted(ProgramError):
+    """The state's program was interrupted (Ctrl-C) while its caller waited: its requests were aborted."""
 
 
 class ExecutableNode(Expr):
@@ -109,6 +115,7 @@ class StreamExecutor:
         self.num_api_spec_tokens: int | None = None  # @function(num_api_spec_tokens=...), for API backends
         self.error_: BaseException | None = None
         self.is_finished = False
+        self._in_flight: list[Callable[[], None]] = []  # aborts of the backend's requests under way (interrupt)
 
         # Streaming readers wait on this; every change of text or variables notifies it.
         self._cond = threading.Condition()
@@ -139,7 +146,32 @@ class StreamExecutor:
 
     def sync(self) -> None:
         if self.use_thread:
-            self.queue.join()
+            try:
+                self.queue.join()
+            except BaseException:  # a Ctrl-C while waiting: the program stops and its requests end
+                self.interrupt()
+                raise
+
+    def interrupt(self) -> None:
+        """Fail this state as interrupted (its nodes not yet run are skipped) and abort its requests under way,
+        so an interrupted program leaves nothing running in the engine."""
+        self.record_error(ProgramInterrupted("the program was interrupted"))
+        for abort in list(self._in_flight):
+            abort()
+
+    @contextmanager
+    def abortable(self, abort: Callable[[], None]) -> Iterator[None]:
+        """A backend's request under way for this state: ``abort`` ends it if the program is interrupted (from
+        the caller's thread, or in this one: a Ctrl-C where the state runs inline)."""
+        self._in_flight.append(abort)
+        try:
+            yield
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                abort()
+            raise
+        finally:
+            self._in_flight.remove(abort)
 
     def end(self) -> None:
         with self._lock:
@@ -238,7 +270,11 @@ class StreamExecutor:
     def get_var(self, name: Any) -> Any:
         event = self.variable_event.get(name)
         if event is not None:
-            event.wait()
+            try:
+                event.wait()
+            except BaseException:  # a Ctrl-C while waiting for the value
+                self.interrupt()
+                raise
         if name in self._done_vars or (name in self.variables and self.error_ is None):
             return self.variables[name]
         if self.error_ is not None:

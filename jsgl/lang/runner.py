@@ -33,6 +33,9 @@ def _run_body(state: ProgramState, func: Callable[..., Any], args: tuple, kwargs
         exe.record_error(exc)
         if not catch_errors:
             raise
+    except BaseException:  # a Ctrl-C in the body: its requests end, the nodes it queued are skipped
+        exe.interrupt()
+        raise
     finally:
         exe.end()
         if sync:

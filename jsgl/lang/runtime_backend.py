@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+from jsgl.engine.sampling_params import SamplingParams, expand_parallel_samples
 from jsgl.engine.spanned_prompt import SpannedPrompt, prompt_text, tokenize_prompt
 from jsgl.errors import GenerationError
 from jsgl.lang.backend import BaseBackend
@@ -44,8 +46,18 @@ class EngineBackend(BaseBackend):
         # Exactly how the engine tokenizes a text prompt, so id prompts and text prompts share cache entries.
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def _result(self, prompt: str | SpannedPrompt | list[int], params: dict[str, Any]) -> Any:
-        return self._check(self.engine.submit(prompt, params).result())
+    def _result(self, prompt: str | SpannedPrompt | list[int], params: dict[str, Any],
+                s: StreamExecutor | None = None) -> Any:
+        return self._wait(s, [self.engine.submit(prompt, params)])[0]
+
+    def _wait(self, s: StreamExecutor | None, handles: list[Any]) -> list[Any]:
+        """The requests' outputs, checked; if the program of ``s`` is interrupted meanwhile, they are aborted."""
+        def abort() -> None:
+            for handle in handles:
+                handle.abort()
+
+        with s.abortable(abort) if s is not None else nullcontext():
+            return [self._check(handle.result()) for handle in handles]
 
     @staticmethod
     def _check(out: Any) -> Any:
@@ -76,10 +88,11 @@ class EngineBackend(BaseBackend):
     def generate(self, s: StreamExecutor, sampling_params: GenParams) -> tuple[Any, Any]:
         """(text, meta); with n > 1, (list of n texts, list of n metas)."""
         kwargs = sampling_params.to_engine_kwargs()
-        if kwargs.get("n", 1) > 1:  # Engine.generate expands n into n requests, batched together
-            outs = [self._check(o) for o in self.engine.generate(s.prompt_(), kwargs)]
+        if kwargs.get("n", 1) > 1:  # n requests, batched together (as Engine.generate expands them)
+            prompts, params = expand_parallel_samples([s.prompt_()], [SamplingParams.from_any(kwargs)])
+            outs = self._wait(s, self.engine.submit_batch(prompts, params))
             return [o.text for o in outs], [self._meta(o, sampling_params) for o in outs]
-        out = self._result(s.prompt_(), kwargs)
+        out = self._result(s.prompt_(), kwargs, s)
         return out.text, self._meta(out, sampling_params)
 
     def generate_stream(self, s: StreamExecutor, sampling_params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -91,6 +104,11 @@ class EngineBackend(BaseBackend):
             raise ValueError("n > 1 cannot be streamed; the interpreter generates it without streaming")
         handle = self.engine.submit(s.prompt_(), kwargs)
         with_text = bool(sampling_params.return_text_in_logprobs)
+        with s.abortable(handle.abort):
+            yield from self._stream_chunks(handle, sampling_params, with_text)
+
+    def _stream_chunks(self, handle: Any, sampling_params: GenParams,
+                       with_text: bool) -> Iterator[tuple[str, dict[str, Any]]]:
         for chunk in handle.stream():
             if chunk.output is not None:
                 meta = self._meta(self._check(chunk.output), sampling_params)
@@ -112,7 +130,8 @@ class EngineBackend(BaseBackend):
             self._result(prefix_str, {"max_new_tokens": 0})
 
     def commit_lazy_operations(self, s: StreamExecutor) -> None:
-        self.cache_prefix(s.prompt_())
+        if prompt_text(s.prompt_()):
+            self._result(s.prompt_(), {"max_new_tokens": 0}, s)
 
     # Select --------------------------------------------------------------------------------------------
 
@@ -134,7 +153,7 @@ class EngineBackend(BaseBackend):
         full_ids = [self.encode(s.prompt_(c)) for c in choices]
         starts = [common_prefix_len(prefix_ids, f) for f in full_ids]
         if global_config.enable_prefix_hint and prefix_ids:
-            self._result(prefix_ids, {"max_new_tokens": 0})
+            self._result(prefix_ids, {"max_new_tokens": 0}, s)
         want_uncond = getattr(choices_method, "requires_unconditional_logprobs", False)
         pending = []  # (kind, choice index, handle)
         for i, (ids, start) in enumerate(zip(full_ids, starts, strict=True)):
@@ -147,8 +166,8 @@ class EngineBackend(BaseBackend):
         cond: list[list[TokenLogprob]] = [[] for _ in choices]
         uncond: list[list[TokenLogprob]] = [[] for _ in choices]
         cached = [0] * len(choices)  # prefix-cache hits of each choice request (shows the hint working)
-        for kind, i, handle in pending:
-            out = self._check(handle.result())
+        outs = self._wait(s, [handle for _, _, handle in pending])
+        for (kind, i, _), out in zip(pending, outs, strict=True):
             toks = [(lp, t, self.tokenizer.decode([t])) for lp, t in zip(out.input_logprobs, out.input_token_ids)]
             (cond if kind == "cond" else uncond)[i] = toks
             if kind == "cond":
