@@ -7,7 +7,9 @@ import dataclasses
 import sys
 from typing import Any
 
+from jsgl.cli_errors import run_reporting
 from jsgl.engine.config import PRECOMPILE_MODES, EngineConfig
+from jsgl.errors import ConfigError
 from jsgl.server.limits import ServerLimits
 
 # One help line per EngineConfig field: what it sets, in which unit. A default that is a plain value is appended
@@ -213,52 +215,52 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    if args.dry_run:  # the memory plan from the model's config alone: no weight is loaded
-        from jsgl.engine.backends import resolve_backends
-        from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
-        from jsgl.engine.platform import Platform, current_platform, max_step_tokens, resolve_defaults
+def print_memory_plan(args: argparse.Namespace) -> int:
+    """`jsgl serve --dry-run`: the memory plan from the model's config alone, no weight loaded."""
+    from jsgl.engine.backends import resolve_backends
+    from jsgl.engine.memory import load_config, plan_memory, resolve_dtypes
+    from jsgl.engine.platform import Platform, current_platform, max_step_tokens, resolve_defaults
 
-        cfg = engine_config(args)
-        config = load_config(cfg.model)
-        device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
-        try:
-            # --device-gb stands for an accelerator of that size (--device's, a GPU unless tpu): its defaults (page
-            # size, pool from the device, backends).
-            accelerator = "tpu" if cfg.device == "tpu" else "gpu"
-            platform = Platform(accelerator, "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
-            defaults = resolve_defaults(platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
-                                        num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction,
-                                        mixed_prefill_tokens=cfg.mixed_prefill_tokens,
-                                        chunked_prefill_size=cfg.chunked_prefill_size,
-                                        max_running_requests=cfg.max_running_requests)
-            cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
-            dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, platform.name)
-            backends = resolve_backends(cfg.attention_backend, cfg.matmul_backend, tp=cfg.tp, dtype=dtype,
-                                        kv_dtype=kv_dtype, page_size=cfg.page_size, platform=platform.name,
-                                        layers=cfg.layers)
-            if not backends.length_free(config):  # as the engine: padded attention mixes no steps
-                cfg = dataclasses.replace(cfg, mixed_prefill_tokens=0)
-            plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
-                               num_kv_slots=cfg.num_kv_slots,
-                               max_step_tokens=max_step_tokens(cfg.chunked_prefill_size, cfg.mixed_prefill_tokens,
-                                                               cfg.max_running_requests),
-                               max_batch=cfg.max_running_requests, device_bytes=device,
-                               weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
-        except ValueError as exc:
-            print(f"jsgl serve: {exc}", file=sys.stderr)
-            return 2
-        print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
-              f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
-              f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}, mixed steps "
-              + (f"of up to {cfg.mixed_prefill_tokens} prefill tokens" if cfg.mixed_prefill_tokens else "off"))
-        print(f"backends: attention {backends.attention}, matmul {backends.matmul}, layers {backends.layers}")
-        print(plan.render())
-        return 0
+    cfg = engine_config(args)
+    config = load_config(cfg.model)
+    device = (int(args.device_gb * (1 << 30)), "--device-gb") if args.device_gb else None
+    # --device-gb stands for an accelerator of that size (--device's, a GPU unless tpu): its defaults (page
+    # size, pool from the device, backends).
+    accelerator = "tpu" if cfg.device == "tpu" else "gpu"
+    platform = Platform(accelerator, "--device-gb", 1) if args.device_gb else current_platform(cfg.device)
+    defaults = resolve_defaults(platform, page_size=cfg.page_size, kv_cache_gb=cfg.kv_cache_gb,
+                                num_kv_slots=cfg.num_kv_slots, mem_fraction=cfg.mem_fraction,
+                                mixed_prefill_tokens=cfg.mixed_prefill_tokens,
+                                chunked_prefill_size=cfg.chunked_prefill_size,
+                                max_running_requests=cfg.max_running_requests)
+    cfg = dataclasses.replace(cfg, **dataclasses.asdict(defaults))
+    dtype, kv_dtype = resolve_dtypes(cfg.dtype, cfg.kv_dtype, platform.name)
+    backends = resolve_backends(cfg.attention_backend, cfg.matmul_backend, tp=cfg.tp, dtype=dtype,
+                                kv_dtype=kv_dtype, page_size=cfg.page_size, platform=platform.name,
+                                layers=cfg.layers)
+    if not backends.length_free(config):  # as the engine: padded attention mixes no steps
+        cfg = dataclasses.replace(cfg, mixed_prefill_tokens=0)
+    plan = plan_memory(config, tp=cfg.tp, mem_fraction=cfg.mem_fraction, kv_cache_gb=cfg.kv_cache_gb,
+                       num_kv_slots=cfg.num_kv_slots,
+                       max_step_tokens=max_step_tokens(cfg.chunked_prefill_size, cfg.mixed_prefill_tokens,
+                                                       cfg.max_running_requests),
+                       max_batch=cfg.max_running_requests, device_bytes=device,
+                       weight_itemsize=dtype.itemsize, kv_dtype=kv_dtype)
+    print(f"model {cfg.model}: {config.architecture}, {config.num_layers} layers, {config.num_heads} heads "
+          f"({config.num_kv_heads} KV), hidden {config.hidden_size}, vocab {config.vocab_size}; weights "
+          f"{dtype}, KV {kv_dtype}; {platform.name} defaults: page size {cfg.page_size}, mixed steps "
+          + (f"of up to {cfg.mixed_prefill_tokens} prefill tokens" if cfg.mixed_prefill_tokens else "off"))
+    print(f"backends: attention {backends.attention}, matmul {backends.matmul}, layers {backends.layers}")
+    print(plan.render())
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        return print_memory_plan(args)
     if (args.dp > 1 or args.ray_address) and args.nnodes > 1:
-        print("jsgl serve: --dp and --nnodes together are not supported yet (replicas of a multi-host engine)",
-              file=sys.stderr)
-        return 2
+        raise ConfigError("--dp and --nnodes together are not supported yet (replicas of a multi-host engine): "
+                          "give one of them")
     if args.node_rank > 0:  # rank 0 serves; this process only computes its shards
         _follow(engine_config(args))
         return 0
@@ -281,15 +283,10 @@ def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
     from jsgl.server.router_process import check_installed
 
     if args.api_key:  # sglang-router does not pass a client's key on to the workers in this wiring
-        print("jsgl serve: --api-key cannot be combined with --dp (the router does not forward the key to the "
-              "replicas); serve on a private address or put a proxy that checks keys in front", file=sys.stderr)
-        return 2
-    try:
-        check_installed()
-    except ImportError as exc:
-        print(f"jsgl serve: {exc}", file=sys.stderr)
-        return 2
-    from jsgl.server.replicas import ClusterJoinError, Replicas
+        raise ConfigError("--api-key cannot be combined with --dp (the router does not forward the key to the "
+                          "replicas); serve on a private address or put a proxy that checks keys in front")
+    check_installed()
+    from jsgl.server.replicas import Replicas
 
     stop = threading.Event()
 
@@ -310,9 +307,6 @@ def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
             pass
     except KeyboardInterrupt:
         pass
-    except ClusterJoinError as exc:
-        print(f"jsgl serve: {exc}", file=sys.stderr)
-        return 2
     finally:
         if replicas is not None:
             replicas.stop()
@@ -442,14 +436,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in ("bench", "figures"):  # those two pass the rest on to their own parsers
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    # One place for how a command fails: a refusal as one line (exit 2), a bug as its traceback (exit 1).
+    return run_reporting(args.command, lambda: run_command(args, rest, argv))
+
+
+def run_command(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     if args.command == "bench":
         return cmd_bench(args, rest, argv)
     if args.command == "figures":
         from jsgl.experiments.figures import main as figures_main
 
         return figures_main(rest) or 0
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
 
 

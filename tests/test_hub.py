@@ -106,7 +106,8 @@ def test_the_cli_takes_an_id_with_the_environment_offline(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     missing = subprocess.run([sys.executable, "-m", "jsgl.cli", "generate", "Hello", "--model", "org/absent"],
                              env=env, capture_output=True, text=True, timeout=300)
-    assert missing.returncode != 0 and "hf download org/absent" in missing.stderr, missing.stderr[-2000:]
+    assert missing.returncode == 2 and "hf download org/absent" in missing.stderr, missing.stderr[-2000:]
+    assert "Traceback" not in missing.stderr, missing.stderr[-2000:]  # a refusal: one line (tests/test_cli_errors.py)
 
 
 def test_a_memory_plan_by_id_fetches_the_config_alone(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jsgl.errors import ConfigError
 from jsgl.kernels import cpu as cpu_kernels
 from jsgl.kernels.attention import get_attention_backend, resolve_attention_backend
 from jsgl.kernels.self_check import KernelCheckFailed, check_attention_kernel
@@ -76,19 +77,19 @@ def resolve_backends(attention: str = "auto", matmul: str = "auto", *, tp: int =
     matmul = cpu_kernels.resolve_matmul_backend(matmul, tp, platform)
     get_attention_backend(attention)  # an unknown name is refused here
     if dtype != jnp.float32 and matmul != "xla":
-        raise ValueError(f"dtype {dtype}: the CPU matmul kernels are float32; use matmul_backend=xla (or auto)")
+        raise ConfigError(f"dtype {dtype}: the CPU matmul kernels are float32; use matmul_backend=xla (or auto)")
     if attention == "cpu":
         if not cpu_kernels.available():
-            raise ValueError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
+            raise ConfigError(f"attention_backend='cpu' needs the CPU kernels: {cpu_kernels.unavailable_reason()}")
         if dtype != jnp.float32 or kv_dtype != jnp.float32:
-            raise ValueError(f"dtype {dtype}, kv_dtype {kv_dtype}: the CPU attention kernel is float32; use "
-                             "attention_backend=native (or auto)")
+            raise ConfigError(f"dtype {dtype}, kv_dtype {kv_dtype}: the CPU attention kernel is float32; use "
+                              "attention_backend=native (or auto)")
     if attention == "tpu" and platform != "tpu":
-        raise ValueError(f"attention_backend='tpu' is the Mosaic kernel for TPUs; this platform is {platform!r}: "
-                         "use auto, native, pallas (GPU) or cpu")
+        raise ConfigError(f"attention_backend='tpu' is the Mosaic kernel for TPUs; this platform is {platform!r}: "
+                          "use auto, native, pallas (GPU) or cpu")
     if attention == "pallas" and page_size & (page_size - 1):
-        raise ValueError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
-                         "size must be a power of two (1, 2, 4, ..., 64)")
+        raise ConfigError(f"page_size {page_size}: the Pallas kernels read whole pages per K/V block, so the page "
+                          "size must be a power of two (1, 2, 4, ..., 64)")
     return Backends(attention, matmul, tp, _scanned(layers, attention, matmul, platform))
 
 
@@ -99,10 +100,10 @@ def _scanned(layers: str, attention: str, matmul: str, platform: str) -> bool:
     where XLA of jax 0.10-0.12 may copy them too (its dynamic-slice fusion is off by default) and a scanned
     step's speed is not measured yet (docs/performance.md)."""
     if layers not in ("auto", "scanned", "unrolled"):
-        raise ValueError(f"layers must be auto, scanned or unrolled, not {layers!r}")
+        raise ConfigError(f"layers must be auto, scanned or unrolled, not {layers!r}")
     if layers == "scanned" and (attention == "cpu" or matmul != "xla"):
-        raise ValueError(f"layers=scanned: the CPU kernels (attention {attention!r}, matmul {matmul!r}) take each "
-                         "layer's own pools and packed weights; use attention_backend=native and matmul_backend=xla")
+        raise ConfigError(f"layers=scanned: the CPU kernels (attention {attention!r}, matmul {matmul!r}) take each "
+                          "layer's own pools and packed weights; use attention_backend=native and matmul_backend=xla")
     return layers == "scanned" or (layers == "auto" and platform == "tpu")
 
 
@@ -120,8 +121,8 @@ def checked_on_device(backends: Backends, requested: str, config: ModelConfig, k
                                        head_dim=config.head_dim, kv_dtype=kv_dtype, page_size=page_size)
     except KernelCheckFailed as failure:
         if requested != "auto":
-            raise ValueError(f"attention_backend={requested!r}: {failure}. attention_backend=native runs on "
-                             f"{platform} too (please report this failure)") from failure
+            raise ConfigError(f"attention_backend={requested!r}: {failure}. attention_backend=native runs on "
+                              f"{platform} too (please report this failure)") from failure
         log.warning("%s; attending through the native path instead (attention_backend=native)", failure)
         return dataclasses.replace(backends, attention="native", attention_fallback=str(failure))
     log.info("%s attention checked against the native path on this device: max abs error %.2g",

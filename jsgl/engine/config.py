@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jsgl.errors import ConfigError
+
 PRECOMPILE_MODES = ("background", "common", "all", "off")
+# The fields that take one of a few names (the command's flags offer the same choices).
+CHOICES = {"device": ("auto", "cpu", "gpu", "tpu"), "grammar_backend": ("jsgl", "llguidance"),
+           "precompile": PRECOMPILE_MODES, "executable_store": ("auto", "on", "off"),
+           "weights_cache": ("auto", "orbax", "off"), "prefix_cache": ("radix", "flat", "none"),
+           "speculative_algorithm": ("none", "ngram")}
 
 
 @dataclasses.dataclass
@@ -107,41 +114,36 @@ class EngineConfig:
         return self.executable_store == "on" or os.environ.get("JSGL_EXECUTABLE_STORE") != "off"
 
     def __post_init__(self) -> None:
-        if self.grammar_backend not in ("jsgl", "llguidance"):
-            raise ValueError(f"grammar_backend must be jsgl or llguidance, not {self.grammar_backend!r}")
-        if self.precompile not in PRECOMPILE_MODES:
-            raise ValueError(f"precompile must be one of {', '.join(PRECOMPILE_MODES)}, not {self.precompile!r}")
-        if self.executable_store not in ("auto", "on", "off"):
-            raise ValueError(f"executable_store must be auto, on or off, not {self.executable_store!r}")
-        if self.weights_cache not in ("auto", "orbax", "off"):
-            raise ValueError(f"weights_cache must be auto, orbax or off, not {self.weights_cache!r}")
-        if self.prefix_cache not in ("radix", "flat", "none"):
-            raise ValueError(f"prefix_cache must be radix, flat or none, not {self.prefix_cache!r}")
-        if not 0.0 <= self.cache_match_fraction <= 1.0:
-            raise ValueError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
-        if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
-            raise ValueError("cache_match_fraction < 1 needs prefix_cache radix")
         self.speculative_algorithm = self.speculative_algorithm.lower()  # SGLang spells it NGRAM
-        if self.speculative_algorithm not in ("none", "ngram"):
-            raise ValueError(f"speculative_algorithm must be none or ngram, not {self.speculative_algorithm!r}")
-        max_batch = self.speculative_max_batch
-        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size \
-                or self.speculative_num_draft_tokens < 1 or (max_batch is not None and max_batch < 1):
-            raise ValueError("speculative_num_draft_tokens >= 1, speculative_max_batch >= 1 and 1 <= "
-                             "speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
-        if (self.mixed_prefill_tokens is not None and self.mixed_prefill_tokens < 0) \
-                or not 0 < self.prefill_share <= 1:
-            raise ValueError("mixed_prefill_tokens >= 0 (0: no mixed steps), 0 < prefill_share <= 1")
-        if (self.page_size is not None and self.page_size < 1) or self.max_running_requests < 1 \
-                or self.chunked_prefill_size < 16:
-            raise ValueError("page_size >= 1, max_running_requests >= 1, chunked_prefill_size >= 16")
-        if self.device not in ("auto", "cpu", "gpu", "tpu"):
-            raise ValueError(f"device must be auto, cpu, gpu or tpu, not {self.device!r}")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes or self.dist_timeout < 1:
-            raise ValueError(f"nnodes >= 1, 0 <= node_rank < nnodes and dist_timeout >= 1, not nnodes "
-                             f"{self.nnodes}, node_rank {self.node_rank}, dist_timeout {self.dist_timeout}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        self._check_ranges()
+        if self.cache_match_fraction < 1.0 and self.prefix_cache != "radix":
+            raise ConfigError("cache_match_fraction < 1 needs prefix_cache radix")
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ConfigError(f"speculative_ngram_min_match_window_size {self.speculative_ngram_min_match_window_size}"
+                              " is larger than speculative_ngram_max_match_window_size "
+                              f"{self.speculative_ngram_max_match_window_size}")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError(f"node_rank must be below nnodes ({self.nnodes}), not {self.node_rank}")
         if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("nnodes > 1 needs dist_init_addr HOST:PORT (rank 0's address and a free port)")
-        if min(self.max_top_logprobs, self.max_stop_sequences, self.max_stop_chars) < 0 \
-                or self.constraint_timeout_s <= 0:
-            raise ValueError("request limits must be >= 0 and constraint_timeout_s > 0")
+            raise ConfigError("nnodes > 1 needs dist_init_addr HOST:PORT (rank 0's address and a free port)")
+
+    def _check_ranges(self) -> None:
+        """Each number outside its range, named with its value (the command's flag: ``--`` and the name with
+        dashes)."""
+        at_least = {"page_size": 1, "max_running_requests": 1, "chunked_prefill_size": 16, "mixed_prefill_tokens": 0,
+                    "speculative_num_draft_tokens": 1, "speculative_max_batch": 1,
+                    "speculative_ngram_min_match_window_size": 1, "nnodes": 1, "node_rank": 0, "dist_timeout": 1,
+                    "max_top_logprobs": 0, "max_stop_sequences": 0, "max_stop_chars": 0}
+        for name, least in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < least:  # None: the platform's default
+                raise ConfigError(f"{name} must be at least {least}, not {value}")
+        if not 0 < self.prefill_share <= 1:
+            raise ConfigError(f"prefill_share must be in (0, 1], not {self.prefill_share}")
+        if not 0.0 <= self.cache_match_fraction <= 1.0:
+            raise ConfigError(f"cache_match_fraction must be within [0, 1], not {self.cache_match_fraction}")
+        if self.constraint_timeout_s <= 0:
+            raise ConfigError(f"constraint_timeout_s must be positive, not {self.constraint_timeout_s}")

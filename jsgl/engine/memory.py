@@ -13,7 +13,6 @@ accelerator F defaults to 0.85 (jsgl.engine.platform); on CPU the pool is ``--kv
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,9 @@ from jax.sharding import PartitionSpec
 
 from jsgl.engine.kv_pool import slots_for_memory
 from jsgl.engine.platform import CPU_KV_CACHE_GB, gpu_preallocation
+from jsgl.errors import ConfigError
 from jsgl.kernels import kv_quant
-from jsgl.model.config import ModelConfig
+from jsgl.model.config import ModelConfig, read_hf_config
 from jsgl.model.llama import param_shapes
 from jsgl.model.registry import resolve_model_path
 from jsgl.model.sharding import TensorParallel, head_layout
@@ -42,7 +42,7 @@ def resolve_dtypes(dtype: str, kv_dtype: str, platform: str | None = None) -> tu
     int8 is the 8-bit KV format."""
     for name, value, allowed in (("dtype", dtype, DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
         if value not in allowed:
-            raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
+            raise ConfigError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
     platform = platform or jax.default_backend()
     weights = jnp.dtype(dtype if dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16"))
     return weights, jnp.dtype(kv_dtype) if kv_dtype != "auto" else weights
@@ -98,7 +98,7 @@ def load_config(model: str | os.PathLike) -> ModelConfig:
     Hub id, downloaded)."""
     path = resolve_model_path(model, config_only=True)
     if path.is_dir():
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return ModelConfig.from_hf(read_hf_config(path))
     import gguf
 
     from jsgl.model.loader import _gguf_config
@@ -160,17 +160,17 @@ def plan_memory(config: ModelConfig, *, tp: int = 1, mem_fraction: float | None 
         slots = num_kv_slots
     elif mem_fraction is not None:
         if not 0 < mem_fraction <= 1:
-            raise ValueError(f"mem_fraction must be in (0, 1], not {mem_fraction}")
+            raise ConfigError(f"mem_fraction must be in (0, 1], not {mem_fraction}")
         budget = int(total * mem_fraction)
         if budget > ALLOCATOR_SHARE * memory.usable:  # the allocator cannot hand out more than its limit
             budget = int(ALLOCATOR_SHARE * memory.usable)
             how += f"; mem_fraction {mem_fraction} capped by it"
         room = budget - weights - activations
         if room < per_token * 1024:
-            raise ValueError(f"mem_fraction {mem_fraction}: {budget / (1 << 30):.2f} GiB of the device "
-                             f"leaves no room for a KV pool beside {weights / (1 << 30):.2f} GiB of weights and "
-                             f"{activations / (1 << 30):.2f} GiB of activations (tp={tp}); a larger --tp splits "
-                             "the weights over more devices")
+            raise ConfigError(f"mem_fraction {mem_fraction}: {budget / (1 << 30):.2f} GiB of the device "
+                              f"leaves no room for a KV pool beside {weights / (1 << 30):.2f} GiB of weights and "
+                              f"{activations / (1 << 30):.2f} GiB of activations (tp={tp}): raise --mem-fraction, "
+                              "or a larger --tp splits the weights over more devices")
         slots = room // per_token
     else:
         slots = slots_for_memory(config, CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb, dtype=kv_dtype)

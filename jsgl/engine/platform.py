@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from jsgl.errors import ConfigError
+
 DEVICES = ("auto", "cpu", "gpu", "tpu")
 ACCELERATOR_PAGE_SIZE = 16  # SGLang's and vLLM's page on GPUs; the Pallas kernels read a page per K/V row block
 ACCELERATOR_MEM_FRACTION = 0.85  # of the device, for weights + KV (SGLang's mem_fraction_static on large cards)
@@ -41,13 +43,13 @@ class Platform:
 def current_platform(requested: str = "auto") -> Platform:
     """The platform JAX's default backend is on, checked against ``requested`` (``auto`` takes any)."""
     if requested not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {requested!r}")
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, not {requested!r}")
     devices = jax.devices()
     found = Platform(jax.default_backend(), devices[0].device_kind, len(devices))
     if requested not in ("auto", found.name):
-        raise ValueError(f"device {requested!r} was asked for, but JAX's default backend is {found.name} "
-                         f"({found.device_kind}): install a {requested} build of JAX ({INSTALL_HINT[requested]}) "
-                         "or drop --device")
+        raise ConfigError(f"device {requested!r} was asked for, but JAX's default backend is {found.name} "
+                          f"({found.device_kind}): install a {requested} build of JAX ({INSTALL_HINT[requested]}) "
+                          "or drop --device")
     return found
 
 

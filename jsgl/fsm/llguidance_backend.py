@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jsgl.errors import InvalidRequestError
+from jsgl.errors import InvalidRequestError, MissingExtraError
 from jsgl.fsm.grammar_backend import GRAMMAR_FIELDS, ForcedTail, GrammarBackend, GrammarSpec, eos_bitmask
 
 INSTALL_HINT = "the llguidance grammar backend needs the llguidance package: pip install llguidance"
@@ -49,7 +49,7 @@ def llguidance_module() -> Any:
         import llguidance
         import llguidance.hf  # noqa: F401  (from_tokenizer lives there)
     except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
+        raise MissingExtraError(INSTALL_HINT) from exc
     return llguidance
 
 

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsgl.errors import ConfigError
 from jsgl.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -152,11 +153,11 @@ def resolve_matmul_backend(name: str, tp: int = 1, platform: str | None = None) 
         on_cpu = (platform or jax.default_backend()) == "cpu"
         return "gguf" if tp == 1 and on_cpu and available() else "xla"
     if name not in MATMUL_BACKENDS:
-        raise ValueError(f"unknown matmul backend {name!r}; known: auto, {', '.join(MATMUL_BACKENDS)}")
+        raise ConfigError(f"unknown matmul backend {name!r}; known: auto, {', '.join(MATMUL_BACKENDS)}")
     if name != "xla" and tp > 1:
-        raise ValueError(f"matmul_backend={name!r} does not shard: use 'xla' (or 'auto') with tp > 1")
+        raise ConfigError(f"matmul_backend={name!r} does not shard: use 'xla' (or 'auto') with tp > 1")
     if name != "xla" and not available():
-        raise ValueError(f"matmul_backend={name!r} needs the CPU kernels: {unavailable_reason()}")
+        raise ConfigError(f"matmul_backend={name!r} needs the CPU kernels: {unavailable_reason()}")
     return name
 
 

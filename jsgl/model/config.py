@@ -7,10 +7,14 @@ computation in a way jsgl does not implement raises :class:`UnsupportedModelErro
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
+
+from jsgl.errors import RefusedError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -18,6 +22,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings", "partial_rotary_factor"}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+# The fields of the model's shape, which have no default.
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Families people ask for, and what they need beyond the Llama block (said when refusing them).
 _MISSING = {
     "gemma2": "Gemma 2 needs attention and final logit softcapping, GeGLU, (1 + w) RMSNorms around both "
@@ -41,8 +47,17 @@ LLAMA3_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(RefusedError, ValueError):
     """A model config (config.json or GGUF metadata) jsgl cannot run exactly; the message names the field."""
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """An HF folder's config.json as a dict; one that is not JSON is refused by name."""
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(f"{path / 'config.json'} is not valid JSON ({exc}): replace it with the model's "
+                                    "config.json") from None
 
 
 def refuse(field: str, value: Any, why: str) -> NoReturn:
@@ -76,7 +91,12 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = cfg.get("model_type", "llama")
         if arch not in SUPPORTED_ARCHITECTURES:
-            refuse("model_type", arch, _MISSING.get(arch, f"jsgl runs {', '.join(SUPPORTED_ARCHITECTURES)}"))
+            missing = f"{_MISSING[arch]}; " if arch in _MISSING else ""
+            refuse("model_type", arch, f"{missing}jsgl runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        absent = [field for field in _REQUIRED if field not in cfg]
+        if absent:
+            raise UnsupportedModelError(f"the model's config has no {', '.join(absent)}: not a {arch} config jsgl "
+                                        "can read (an HF config.json, or a GGUF file's metadata)")
         _check_fields(cfg)
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads

