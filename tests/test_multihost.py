@@ -152,6 +152,14 @@ def channel_main(rank: int, port: int, out: str) -> None:
         raise
 
 
+def listen_main(port: int) -> None:
+    """Rank 0 alone, waiting for a rank 1 that never comes (the test probes its coordination port meanwhile)."""
+    from jsgl.engine import multihost
+
+    multihost.initialize(f"127.0.0.1:{port}", 2, 0, 60)
+
+
+
 # ------------------------------------------------------------------------------------------ tests
 def _env(devices: int) -> dict[str, str]:
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
@@ -247,11 +255,41 @@ if __name__ != "__main__":
             exit_["stderr"]
 
 
+def test_the_coordination_service_listens_on_the_given_address_only() -> None:
+    """--dist-init-addr 127.0.0.1:P: P answers there, and not on another of the host's addresses (127.0.0.2, the
+    loopback's too), where jax's default bind ([::]) let a stranger join and abort both ranks."""
+    import socket
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "listen", str(port)], env=_env(1),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+                time.sleep(0.1)
+        try:
+            socket.create_connection(("127.0.0.2", port), timeout=2).close()
+            raise AssertionError(f"the coordination service also answers on 127.0.0.2:{port}")
+        except ConnectionRefusedError:
+            pass
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if sys.argv[1] == "reference":
         reference_main(sys.argv[2])
     elif sys.argv[1] == "channel":
         channel_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1] == "listen":
+        listen_main(int(sys.argv[2]))
     else:
         rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+

@@ -59,9 +59,11 @@ def initialize(dist_init_addr: str, nnodes: int, node_rank: int, timeout_s: int)
         return
     # CPU devices of different processes talk through gloo (jax 0.10's default, set so the choice is visible).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Rank 0's coordination service listens on the address given, not on every interface (jax's default): it
+    # and the step broadcasts trust whoever joins (docs/serving.md#one-model-across-hosts).
     jax.distributed.initialize(dist_init_addr, num_processes=nnodes, process_id=node_rank,
                                initialization_timeout=timeout_s, heartbeat_timeout_seconds=timeout_s,
-                               shutdown_timeout_seconds=timeout_s)
+                               shutdown_timeout_seconds=timeout_s, coordinator_bind_address=dist_init_addr)
     log.info("process %d of %d joined at %s: %d devices in all, %d here", node_rank, nnodes, dist_init_addr,
              jax.device_count(), jax.local_device_count())
 
