@@ -165,6 +165,26 @@ def test_grammar_cut_keeps_what_the_regex_allows(tokenizer, backend):
     assert grammar_cut(seq, tokenizer.encode("abc", add_special_tokens=False)) is None
 
 
+@pytest.mark.parametrize("backend", ["jsgl", "llguidance"])
+def test_grammar_cut_masks_are_the_states_after_each_prefix(tokenizer, backend):
+    """``masks[i]`` is a fresh copy of the constraint advanced by ``tokens[:i]``, the bonus row's (after the last
+    token) too: a mask one token behind would let a row sample what the grammar forbids there."""
+    manager = ConstraintManager(tokenizer, tokenizer.vocab_size, {tokenizer.eos_token_id}, jump_forward=False,
+                                grammar_backend=backend)
+    seq = _sequence(tokenizer, tokenizer.encode("Age:"), max_new_tokens=16, regex=r"[0-9]{1,3} years")
+    manager.prepare(seq)
+    manager.activate(seq, 10_000)
+    draft = grammar_cut(seq, tokenizer.encode("42 years", add_special_tokens=False))
+    assert tokenizer.decode(draft.tokens) == "42 years" and len(draft.masks) == len(draft.tokens) + 1
+    for i, mask in enumerate(draft.masks):
+        state = seq.constraint.copy()
+        for token in draft.tokens[:i]:
+            state.advance(token)
+        assert np.array_equal(mask, state.allowed_token_bitmask()), f"mask {i} of {len(draft.masks)}"
+    # The states differ (digits only first, then " years" too): equal masks above are not a coincidence.
+    assert not np.array_equal(draft.masks[0], draft.masks[1])
+
+
 def _sequence(tokenizer, prompt_ids, *, max_new_tokens, regex=None, stop=None, min_new_tokens=0):
     params = SamplingParams(max_new_tokens=max_new_tokens, regex=regex, stop=stop, min_new_tokens=min_new_tokens)
     detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
