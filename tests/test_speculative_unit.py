@@ -28,6 +28,7 @@ from jsgl.engine.speculative import (
 )
 from jsgl.radix.no_cache import NoPrefixCache
 from jsgl.radix.radix_cache import RadixCache
+from tests.host_model import OracleProposer, host_engine
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():
@@ -272,3 +273,68 @@ def test_verify_rows_sample_as_the_request_would_at_each_position(tokenizer):
     # Row i samples after the output and the draft's first i tokens: the frequency penalty counts them.
     assert [float(r.logit_bias[8]) for r in rows] == [0.0, -0.5, -1.0]
     assert [float(r.logit_bias[7]) for r in rows] == [-0.5, -0.5, -0.5]
+
+
+# ------------------------------------------------------------------ verify steps through EngineLoop (host model)
+def _host_requests(tokenizer, temperatures, max_new_tokens=12):
+    """Fresh requests (one per temperature, each its own id and seed) over prompts that share nothing."""
+    seqs = []
+    for i, temperature in enumerate(temperatures):
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True)
+        seqs.append(Sequence(rid=f"r{i}", prompt_ids=[100 + 10 * i + k for k in range(6)], params=params,
+                             detok=IncrementalDetokenizer(tokenizer, []), seed=7 + i, stop_ids=set()))
+    return seqs
+
+
+def _speculating(engine, wrong_from, num_draft_tokens=3):
+    engine.loop.speculator = Speculator(OracleProposer(engine.runner, wrong_from),
+                                        SpeculativeSettings(num_draft_tokens=num_draft_tokens),
+                                        engine.scheduler.token_limit)
+    return engine.loop.speculator
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("wrong_from", [0, 1, 3])
+def test_after_each_verify_step_a_request_holds_the_slots_of_its_tokens_only(tokenizer, page, wrong_from):
+    """EngineLoop's verify steps on the host model (tests/host_model.py), drafts wholly rejected (0), partly (1) or
+    wholly accepted (3 of 3): right after each step a running request holds at most the pages of its tokens (a
+    rejected draft's slots are not kept until the request ends), and the pool accounts for every slot."""
+    engine = host_engine(tokenizer, page_size=page)
+    spec = _speculating(engine, wrong_from)
+    seqs = _host_requests(tokenizer, [0.0, 0.0, 0.8], max_new_tokens=16)
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    checked = 0
+    while not engine.loop.idle():
+        verified = spec.stats.verify_steps
+        engine.loop.step()
+        if spec.stats.verify_steps == verified:
+            continue
+        checked += 1
+        running = engine.scheduler.running
+        for seq in running:
+            # (one without a draft in the step holds no slot yet for its newest token)
+            assert seq.num_computed <= len(seq.slots) <= -(-seq.num_tokens // page) * page, \
+                (seq.rid, len(seq.slots), seq.num_tokens)
+        assert engine.allocator.num_free() + sum(len(s.slots) for s in running) == engine.allocator.capacity
+    assert checked >= 3 and (spec.stats.accepted > 0) == (wrong_from > 0)
+    assert engine.allocator.num_free() == engine.allocator.capacity
+
+
+@pytest.mark.parametrize("wrong_from", [0, 2])
+def test_verify_steps_give_the_plain_loops_tokens_greedy_and_seeded(tokenizer, wrong_from):
+    """The quick counterpart of test_speculative's engine tests: through EngineLoop with drafts (accepted in part,
+    or never) a greedy and a seeded request get exactly the tokens of the loop without speculation."""
+    temperatures = [0.0, 0.9, 0.0]
+    plain = host_engine(tokenizer)
+    plain_seqs = _host_requests(tokenizer, temperatures)
+    plain.run(plain_seqs)
+    engine = host_engine(tokenizer)
+    spec = _speculating(engine, wrong_from)
+    seqs = _host_requests(tokenizer, temperatures)
+    engine.run(seqs)
+    assert [s.output_ids for s in seqs] == [s.output_ids for s in plain_seqs]
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs)
+    assert spec.stats.verify_steps > 0 and (spec.stats.accepted > 0) == (wrong_from > 0)
+    # Fewer forward passes when drafts are accepted: the point of it.
+    assert (engine.loop.forward_passes < plain.loop.forward_passes) == (wrong_from > 0)
