@@ -13,6 +13,7 @@ an overlapped step (``after``) takes each row's token from the step it follows, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from jsgl.engine.sequence import Sequence
 from jsgl.engine.speculative import DraftProposer, Speculator
 from jsgl.engine.step_inputs import ForwardItem, StepLayout
 from jsgl.radix.no_cache import NoPrefixCache
+from jsgl.radix.radix_cache import RadixCache
 
 
 class HostPending:
@@ -53,13 +55,16 @@ class HostRunner:
         self.kv = np.full(num_slots, -1, np.int64)  # the token whose K/V each slot holds (-1: never written)
         self.vocab_size, self.page_size = vocab_size, page_size
         self.steps: list[list[ForwardItem]] = []  # every dispatched step's rows, as run (overlapped: tokens filled)
+        self.fail: Callable[[list[ForwardItem]], bool] | None = None  # a dispatch it says True to raises
 
     def kv_intact(self) -> bool:
-        return True
+        return True  # a failed dispatch here raises before anything runs, as a step that does not trace
 
     def dispatch(self, items: list[ForwardItem], *, logprobs: bool = True, top_logprobs: int = 0,
                  prompt_top_k: int = -1, after: HostPending | None = None) -> HostPending:
-        assert prompt_top_k < 0 and top_logprobs == 0, "the host model has no prompt or top logprobs"
+        assert prompt_top_k < 0, "the host model has no prompt logprobs"
+        if self.fail is not None and self.fail(items):
+            raise RuntimeError("injected step failure")
         if after is not None:  # each row's token is the one the step before sampled in the same row
             items = [dataclasses.replace(it, token_ids=np.asarray([token], np.int32))
                      for it, token in zip(items, after.out.tokens)]
@@ -68,14 +73,18 @@ class HostRunner:
             self.kv[it.slots[it.start_pos: it.start_pos + len(it.token_ids)]] = it.token_ids
         rows = [self._logits(it) for it in items]
         tokens = np.asarray([self._sample(it, logits) for it, logits in zip(items, rows)], np.int32)
-        chosen = [logits[t] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-                  for logits, t in zip(rows, tokens)]
+        logprob_rows = np.stack([logits - np.logaddexp.reduce(logits) for logits in rows])  # the raw distribution
+        top = None
+        if top_logprobs:
+            ids = np.argsort(-logprob_rows, axis=1, kind="stable")[:, :top_logprobs]
+            top = (np.take_along_axis(logprob_rows, ids, axis=1), ids.astype(np.int32))
         q_lens = [len(it.token_ids) for it in items]
         is_decode = all(q == 1 for q in q_lens)
         layout = StepLayout(*self.step_shape(len(items), sum(q_lens), max(q_lens),
                                              max(it.start_pos + q for it, q in zip(items, q_lens)), is_decode),
                             self.page_size)
-        return HostPending(StepOutput(tokens, np.asarray(chosen, np.float32) if logprobs else None, None), layout)
+        chosen = logprob_rows[np.arange(len(items)), tokens] if logprobs else None
+        return HostPending(StepOutput(tokens, chosen, top), layout)
 
     def _logits(self, item: ForwardItem) -> np.ndarray:
         context = self.kv[item.slots[: item.start_pos + len(item.token_ids)]]
@@ -102,8 +111,8 @@ class HostRunner:
 
 
 class OracleProposer(DraftProposer):
-    """Drafts what the host model will sample after a request's tokens (as a perfect draft model would; greedy or
-    seeded, no penalties), each token from index ``wrong_from`` on replaced by one it will not sample."""
+    """Drafts what the host model will sample after a request's tokens (as a perfect draft model would: greedy or
+    seeded, under its grammar, no penalties) up to index ``wrong_from``, where it drafts another token and stops."""
 
     def __init__(self, runner: HostRunner, wrong_from: int):
         self.runner, self.wrong_from = runner, wrong_from
@@ -111,15 +120,23 @@ class OracleProposer(DraftProposer):
     def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
         tokens, draft = list(seq.token_ids), []
         temperature = 0.0 if seq.params.greedy else seq.params.temperature
+        state = seq.constraint.copy() if seq.constraint is not None else None
         for i in range(num_tokens):
             # The verify row that samples draft token i: the draft before it in the output (its noise step).
             row = ForwardItem(np.asarray(tokens[-1:], np.int32), len(tokens) - 1, np.zeros(1, np.int32),
-                              temperature=temperature, seed=seq.seed, step=len(seq.output_ids) + i)
+                              temperature=temperature, seed=seq.seed, step=len(seq.output_ids) + i,
+                              bitmask=state.allowed_token_bitmask() if state is not None else None)
             token = self.runner._sample(row, self.runner.logits_after(tokens))
-            if i >= self.wrong_from:
-                token = (token + 1) % self.runner.vocab_size
+            if i == self.wrong_from:  # rejected: the rows after it are never used
+                return [*draft, (token + 1) % self.runner.vocab_size]
             draft.append(token)
             tokens.append(token)
+            if state is not None:
+                if token in seq.stop_ids:
+                    break
+                state.advance(token)
+                if state.is_terminated():
+                    break
         return draft
 
 
@@ -130,23 +147,32 @@ class HostEngine:
     scheduler: Scheduler
     allocator: SlotAllocator
 
-    def run(self, seqs: list[Any], max_steps: int = 2000) -> None:
-        """Add ``seqs`` and step the loop (as ``EngineLoop.run`` does between mailbox checks) until it is idle."""
+    def run(self, seqs: list[Sequence], max_steps: int = 2000, between: Callable[[int], None] | None = None) -> None:
+        """Add ``seqs`` (their constraints compiled and attached first, as ``EngineLoop.run`` does) and step the
+        loop until it is idle; ``between(i)`` runs before step i (where ``run`` would take aborts)."""
         for seq in seqs:
+            if self.loop.constraints.prepare(seq) is not None:
+                self.loop.constraints.activate(seq, self.scheduler.token_limit)
             self.scheduler.add(seq)
-        for _ in range(max_steps):
+        for i in range(max_steps):
+            if between is not None:
+                between(i)
             if self.loop.idle():
                 return
             self.loop.step()
         raise AssertionError(f"still working after {max_steps} steps")
 
+    def pool_is_whole(self) -> bool:
+        """Every slot free or the prefix cache's (nothing running)."""
+        return self.allocator.num_free() + self.loop.prefix_cache.total_size() == self.allocator.capacity
+
 
 def host_engine(tokenizer: Any, *, num_slots: int = 512, page_size: int = 1, speculator: Speculator | None = None,
-                prefix_cache: Any = None, **options: Any) -> HostEngine:
+                prefix_cache: str = "none", **options: Any) -> HostEngine:
     """An EngineLoop over the host model, wired as ``Engine`` wires its own (``options``: EngineConfig's)."""
     config = EngineConfig(page_size=page_size, **options)
     allocator = SlotAllocator(num_slots, page_size)
-    cache = prefix_cache if prefix_cache is not None else NoPrefixCache(page_size)
+    cache = RadixCache(page_size, free_slots=allocator.free) if prefix_cache == "radix" else NoPrefixCache(page_size)
     runner = HostRunner(num_slots, tokenizer.vocab_size, page_size)
     scheduler = Scheduler(allocator, cache, max_running=config.max_running_requests,
                           chunk_size=config.chunked_prefill_size, max_context=4096,
