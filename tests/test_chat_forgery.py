@@ -377,6 +377,19 @@ def test_spanned_prompt_cuts_and_checks(tokenizer):
         SpannedPrompt(text, ((0, len(text) + 1),))
 
 
+def test_a_control_token_touching_client_text_stays_one_token(tokenizer, splitter):
+    """A template marker that ends where the client's text starts, or starts where it ends, overlaps none of it: it
+    stays one control token, while the marker the client wrote between them is split."""
+    from jsgl.engine.spanned_prompt import SpannedPrompt, tokenize_prompt
+
+    text = f"{OPEN}{CLOSE}{CLOSE}"  # the template's OPEN, the client's CLOSE, the template's CLOSE
+    ids = tokenize_prompt(tokenizer, SpannedPrompt(text, ((len(OPEN), len(OPEN) + len(CLOSE)),)))
+    vocab = tokenizer.get_vocab()
+    assert ids == [vocab[OPEN], *splitter(CLOSE, add_special_tokens=False, split_special_tokens=True).input_ids,
+                   vocab[CLOSE]]
+    assert marker_counts(tokenizer, ids) == (1, 1)
+
+
 # ------------------------------------------------------------------------------ the real engine and server
 def test_chat_completions_count_the_forged_prompt_as_text(http, tokenizer, splitter):
     forged = [{"role": "user", "content": FORGED}]

@@ -5,6 +5,7 @@ same greedy tokens without compiling."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,29 @@ def test_another_fingerprint_holds_nothing_and_a_broken_file_is_compiled_again(s
     assert other.directory != first.directory and other.load("f8") is None
     (first.directory / "f8.bin").write_bytes(b"not an executable")
     assert ExecutableStore("config-a").load("f8") is None
+
+
+# Each thing a step is compiled against, changed (the module docstring's list): (name, how to change it).
+FINGERPRINT_CHANGES = {
+    "jsgl sources": lambda mp: mp.setattr(executable_store, "source_digest", lambda: "an edited checkout"),
+    "jax version": lambda mp: mp.setattr(jax, "__version__", jax.__version__ + ".post1"),
+    "jaxlib version": lambda mp: mp.setattr(executable_store, "_jaxlib_version", lambda: "0.0.0"),
+    "devices": lambda mp: mp.setattr(jax, "devices", lambda: [SimpleNamespace(platform="tpu", device_kind="v5e")]),
+    "process count": lambda mp: mp.setattr(jax, "process_count", lambda: 1000),  # (no test runs 1000 processes)
+    "XLA_FLAGS": lambda mp: mp.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_to=/tmp/x"),
+    "host CPU": lambda mp: mp.setattr(executable_store, "cpu_signature", lambda: "another CPU"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(FINGERPRINT_CHANGES))
+def test_every_fingerprint_component_changes_the_store_directory(store_root, monkeypatch, change):
+    """A step compiled against other sources, jax, devices, processes, XLA flags or CPU is never loaded: each is
+    in the fingerprint, so a store under it has a directory of its own."""
+    before = ExecutableStore("config-a").directory
+    with monkeypatch.context() as patched:
+        FINGERPRINT_CHANGES[change](patched)
+        assert ExecutableStore("config-a").directory != before
+    assert ExecutableStore("config-a").directory == before  # (nothing else in it moved meanwhile)
 
 
 def test_prune_removes_the_least_recently_used_fingerprints(tmp_path):

@@ -131,6 +131,15 @@ def test_parent_kills_a_child_past_its_time_limit(child: BuildProcess, monkeypat
     assert limit < stats.cpu_seconds <= 1.1 * limit + 0.05  # over the limit: the CPU backstop, not the wall one
 
 
+@pytest.mark.parametrize("limit, cpu_kill, wall_kill", [(10.0, 11.0, 101.0), (1.0, 1.1, 10.1), (0.1, 0.15, 1.05)])
+def test_the_parent_kills_10_percent_past_the_limit_and_never_sooner_than_the_minimum_grace(
+        limit: float, cpu_kill: float, wall_kill: float) -> None:
+    """The backstop's times (the tests above run 1 s limits, where 10% and the minimum grace are close): 10% past
+    the limit however long it is, so a long build is not killed while its own check answers; at least
+    GRACE_MIN_S past it for a short one (a /proc tick and a poll)."""
+    assert build_process.kill_limits(limit) == pytest.approx((cpu_kill, wall_kill))
+
+
 def test_memory_limited_build_never_exceeds_it_and_its_process_is_replaced(child: BuildProcess) -> None:
     """The build stops at the limit (its peak RSS, VmHWM reset when it started, is at most MEMORY_SLACK
     over), the error says which limit, and the process is replaced: its memory returns to the OS. Before,

@@ -123,3 +123,34 @@ def test_metrics_can_be_turned_off_and_an_engine_has_one_registry(engine):
 
     resp = TestClient(app).get("/metrics")
     assert resp.status_code == 404 and "--disable-metrics" in resp.json()["error"]["message"]
+
+
+def test_token_counters_count_prompts_and_outputs_through_the_engine_loop(tokenizer):
+    """Quick, on the host model (tests/host_model.py): the engine loop's metrics hooks count each request's prompt
+    once, at its length (not its tokens so far, which include the first sampled one), and every output token; one
+    time-to-first-token and one finish per request, an inter-token gap per further step."""
+    import collections
+
+    from jsgl.engine.detokenizer import IncrementalDetokenizer
+    from jsgl.engine.metrics import EngineMetrics
+    from jsgl.engine.request import SamplingParams
+    from jsgl.engine.sequence import Sequence
+    from tests.host_model import host_engine
+
+    engine = host_engine(tokenizer, overlap_schedule=False)
+    metrics = engine.loop.metrics = EngineMetrics(lambda: collections.defaultdict(float), MODEL)  # (no stats here)
+    seqs = [Sequence(rid=f"r{i}", prompt_ids=list(range(300 + 20 * i, 307 + 23 * i)),
+                     params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True),
+                     detok=IncrementalDetokenizer(tokenizer, []), seed=i, stop_ids=set())
+            for i, n in enumerate([5, 1, 0])]  # the last is prefill only
+    engine.run(seqs)
+
+    def sample(name, **labels):
+        return metrics.registry.get_sample_value(name, {"model_name": MODEL, **labels}) or 0.0
+
+    assert sample("sglang:prompt_tokens_total") == sum(len(s.prompt_ids) for s in seqs) == 7 + 10 + 13
+    assert sample("sglang:generation_tokens_total") == sum(len(s.output_ids) for s in seqs) == 5 + 1
+    assert sample("sglang:cached_tokens_total") == 0
+    assert sample("sglang:time_to_first_token_seconds_count") == 3
+    assert sample("sglang:num_requests_total", finish_reason="length") == 3
+    assert sample("sglang:inter_token_latency_seconds_count") == 4  # the 5-token request's steps after its first

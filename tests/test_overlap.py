@@ -118,3 +118,34 @@ def test_an_overlapped_step_that_loses_the_pools_fails_its_requests_and_the_engi
         assert engine.runner.kv_intact()
         assert engine.generate(PROMPTS[3], params).token_ids == expected.token_ids
     assert_no_leak(engine)
+
+
+def test_overlapped_steps_sample_with_each_output_positions_seeded_noise(tokenizer):
+    """Quick, on the host model (tests/host_model.py): seeded requests whose decode steps are overlapped sample each
+    row with the noise step of the output position it samples (as the plain loop does), so their tokens are the
+    plain loop's. A step index one off would sample every overlapped token with its predecessor's noise."""
+    from jsgl.engine.detokenizer import IncrementalDetokenizer
+    from jsgl.engine.request import SamplingParams
+    from jsgl.engine.sequence import Sequence
+    from tests.host_model import host_engine
+
+    def requests():
+        return [Sequence(rid=f"r{i}", prompt_ids=[200 + 10 * i + k for k in range(5 + i)],
+                         params=SamplingParams(max_new_tokens=n, temperature=0.9, ignore_eos=True),
+                         detok=IncrementalDetokenizer(tokenizer, []), seed=3 + i, stop_ids=set())
+                for i, n in enumerate([12, 2, 9])]
+
+    outputs = {}
+    for on in (False, True):
+        engine = host_engine(tokenizer, overlap_schedule=on)
+        seqs = requests()
+        engine.run(seqs)
+        prompt_len = {seq.seed: len(seq.prompt_ids) for seq in seqs}
+        for step in engine.runner.steps:
+            for item in step:
+                if item.seed in prompt_len:  # (not an overlapped step's padding row)
+                    position = item.start_pos + len(item.token_ids) - 1  # its row samples the token after this
+                    assert item.step == position + 1 - prompt_len[item.seed], (on, item.seed, position, item.step)
+        outputs[on] = ([s.output_ids for s in seqs], engine.loop.overlap.steps)
+    assert outputs[False][1] == 0 and outputs[True][1] >= 8  # the longest request's decode steps but its first
+    assert outputs[True][0] == outputs[False][0]

@@ -8,7 +8,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-from jsgl.engine.precompiler import BACKGROUND_THREAD, StepCompiler, order
+import pytest
+
+from jsgl.engine.precompiler import BACKGROUND_THREAD, StepCompiler, compile_plan, order
 
 DECODES = [(b, b, 1, 8192, -1) for b in (1, 2, 4, 8)]
 EXTENDS = [(t, b, t, 8192, -1) for t in (16, 32) for b in (8,)] + [(32, 16, 32, 8192, -1)]
@@ -156,3 +158,59 @@ def test_the_background_skips_a_shape_the_request_path_is_compiling():
     assert compiler.wait(30)
     assert sorted(s for s, _ in runner.compiled) == sorted(PLAN)  # each once
     assert compiler.counts == {"start": 0, "background": len(PLAN) - 1, "request": 1}
+
+
+class StoredRunner(ControlledRunner):
+    """A runner over a real executable store holding ``stored``: those load from it, and fail to run as one missing
+    a kernel would (the donated pools lost with it); the others compile fresh (ControlledRunner)."""
+
+    def __init__(self, store, stored: set[tuple]):
+        super().__init__()
+        self.store, self.kv_ok, self.resets = store, True, 0
+        store.directory.mkdir(parents=True)
+        for signature in stored:
+            (store.directory / f"{signature}.bin").write_bytes(b"an executable")
+        self.compiler = StepCompiler(self)
+
+    def compile_step(self, signature: tuple) -> SimpleNamespace:
+        if self.store is not None and self.store.holds(str(signature)):
+            self.store.loaded += 1
+            return SimpleNamespace(signature=signature, loaded=True, out_info=(None, {"logits": "placed"}))
+        return SimpleNamespace(**vars(super().compile_step(signature)), loaded=False)
+
+    def run_padding(self, signature: tuple, compiled: SimpleNamespace) -> None:
+        if compiled.loaded:
+            self.kv_ok = False
+            raise RuntimeError("Function wrapped_slice.1 not found")
+        super().run_padding(signature, compiled)
+
+    def kv_intact(self) -> bool:
+        return self.kv_ok
+
+    def reset_kv(self) -> None:
+        self.kv_ok, self.resets = True, self.resets + 1
+
+
+def test_a_stored_executable_that_fails_to_run_leaves_none_from_the_store(tmp_path):
+    """compile_plan's fallback: the store is removed, and the plan compiles afresh through a new compiler on intact
+    pools: no executable loaded from the store is left to serve (the old compiler holds them, the failed one too)."""
+    from jsgl.engine.executable_store import ExecutableStore
+
+    store = ExecutableStore("config", root=tmp_path)
+    runner = StoredRunner(store, stored=set(DECODES[1:3]))
+    compile_plan(runner, PLAN)
+    assert runner.store is None and not store.directory.exists()
+    assert not [s for s, compiled in runner.compiler.executables.items() if compiled.loaded]
+    assert sorted(runner.compiler.executables) == sorted(PLAN)
+    assert runner.kv_intact() and runner.resets == 1
+    assert set(runner.padded) == set(PLAN)  # every shape ran on padding, fresh (a loaded one raises there)
+
+
+def test_a_failure_with_nothing_loaded_from_the_store_is_raised(tmp_path):
+    from jsgl.engine.executable_store import ExecutableStore
+
+    runner = StoredRunner(ExecutableStore("config", root=tmp_path), stored=set())
+    runner.fail = DECODES[0]
+    with pytest.raises(RuntimeError, match="planted compile failure"):
+        compile_plan(runner, PLAN)
+    assert runner.store is not None  # kept: nothing it held failed

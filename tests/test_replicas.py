@@ -4,7 +4,9 @@ Two replicas behind `cache_aware` answer every route as one engine does (SGLang 
 OpenAI chat, a client that goes away), with one engine's greedy outputs; on a workload of several long shared
 prefixes their hit rate stays within 10% of one engine's and above round_robin's; a replica killed mid-run (or
 hung) costs no request silently: each gets an answer or an error status, and the replica comes back into the
-router's rotation. The CLI's refusals (a missing extra, --api-key with --dp) are quick tests.
+router's rotation. The CLI's refusals (a missing extra, --api-key with --dp) are quick tests, and so is the
+supervisor's logic (a replica back from down or hung is registered with the router again) against a real /health
+port, with the router and Ray stood in for.
 """
 
 from __future__ import annotations
@@ -301,3 +303,136 @@ def test_thread_env_gives_xla_only_flags_it_parses(dp, cores, monkeypatch):
     flags = thread_env(dp, cores).get("XLA_FLAGS")
     assert flags is None or flags.split() == ["--xla_force_host_platform_device_count=2",
                                               "--xla_cpu_multi_thread_eigen=false"], flags
+
+
+class HealthEndpoint:
+    """A replica's /health on a real port (http.server), switched between answering (200 or 503) and not listening:
+    what the supervisor probes, without an engine or Ray."""
+
+    def __init__(self) -> None:
+        from jsgl.server.launch import free_port
+
+        self.port, self.status, self._server = free_port(), 200, None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def up(self, status: int = 200) -> None:
+        import http.server
+        import threading
+
+        self.status = status
+        if self._server is None:
+            endpoint = self
+
+            class Health(http.server.BaseHTTPRequestHandler):
+                def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                    self.send_response(endpoint.status if self.path == "/health" else 404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+
+                def log_message(self, *args) -> None:
+                    pass
+
+            self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Health)
+            threading.Thread(target=self._server.serve_forever, args=(0.01,), daemon=True).start()
+
+    def down(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class RecordingRouter:
+    """RouterProcess's interface the supervisor uses (``reregister``), recording the calls."""
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+
+    def reregister(self, url: str, timeout: float = 60.0) -> None:
+        self.registered.append(url)
+
+
+class RecordingRay:
+    """The ``ray`` API the supervisor uses (``kill``), recording the calls."""
+
+    def __init__(self) -> None:
+        self.killed: list[tuple[object, bool]] = []
+
+    def kill(self, actor: object, no_restart: bool = True) -> None:
+        self.killed.append((actor, no_restart))
+
+
+def _supervisor(endpoint: HealthEndpoint, hang_restart_s: float = 30.0, health_interval_s: float = 2.0):
+    """A Replicas supervising one replica at ``endpoint``: what __init__ sets for supervision, the Ray cluster and
+    the router stood in for (no replica is started)."""
+    import threading
+
+    from jsgl.server.replicas import Replica, Replicas
+
+    replicas = Replicas.__new__(Replicas)
+    replicas.hang_restart_s, replicas.health_interval_s = hang_restart_s, health_interval_s
+    replicas._stopped, replicas._ray, replicas.router = threading.Event(), RecordingRay(), RecordingRouter()
+    replicas.replicas = [Replica(0, endpoint.port, actor="the actor", url=endpoint.url)]
+    return replicas
+
+
+def test_a_replica_back_from_down_is_registered_with_the_router_again():
+    endpoint = HealthEndpoint()
+    endpoint.up()
+    replicas = _supervisor(endpoint)
+    (replica,) = replicas.replicas
+    router = replicas.router
+    try:
+        replicas._check(replica)
+        assert not replica.down and router.registered == []  # healthy from the start: registered at start-up
+        endpoint.down()  # the actor died: nothing listens until Ray restarts it
+        replicas._check(replica)
+        replicas._check(replica)
+        assert replica.down and router.registered == [] and replicas._ray.killed == []  # Ray restarts it alone
+        endpoint.up()  # restarted on the same port, with an empty cache
+        replicas._check(replica)
+        assert router.registered == [endpoint.url] and not replica.down and replica.restarts == 1
+        replicas._check(replica)
+        assert router.registered == [endpoint.url]  # once per return, not per healthy probe
+    finally:
+        endpoint.down()
+
+
+def test_a_hung_replica_is_killed_for_ray_to_restart_and_registered_again_once_back():
+    endpoint = HealthEndpoint()
+    endpoint.up(status=503)  # answering, not healthy
+    replicas = _supervisor(endpoint, hang_restart_s=0.2)
+    (replica,) = replicas.replicas
+    try:
+        replicas._check(replica)
+        assert replica.down and replicas._ray.killed == []  # not yet hung for hang_restart_s
+        time.sleep(0.25)
+        replicas._check(replica)
+        assert replicas._ray.killed == [("the actor", False)]  # killed with its restarts left on
+        endpoint.up(status=200)
+        replicas._check(replica)
+        assert replicas.router.registered == [endpoint.url] and replica.restarts == 1
+    finally:
+        endpoint.down()
+
+
+def test_the_supervision_thread_registers_a_restarted_replica():
+    import threading
+
+    endpoint = HealthEndpoint()
+    replicas = _supervisor(endpoint, health_interval_s=0.02)  # down from the start
+    supervisor = threading.Thread(target=replicas._supervise, daemon=True)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not replicas.replicas[0].down and time.monotonic() < deadline:
+            time.sleep(0.01)
+        endpoint.up()
+        while not replicas.router.registered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert replicas.router.registered == [endpoint.url]
+    finally:
+        replicas._stopped.set()
+        supervisor.join(5)
+        endpoint.down()
+    assert not supervisor.is_alive()

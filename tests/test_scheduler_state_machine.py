@@ -469,6 +469,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         tree = self._tree_slots()
         assert not free & tree, f"slots both free and in the tree: {sorted(free & tree)[:8]}"
 
+        # Decoding owed to running requests: decode steps longer than it bank no credit against later holds.
+        assert sched._prefill_debt >= 0.0, f"negative prefill debt {sched._prefill_debt}"
         queues = [*sched.waiting, *sched.prefilling, *sched.running]
         assert len(set(queues)) == len(queues), "a sequence in two queues (or twice in one)"
         assert set(queues) == self.live, "the queues do not hold exactly the unfinished requests"

@@ -817,6 +817,31 @@ def test_a_share_of_a_quarter_owes_three_times_the_prefill_step():
     assert decodes == 6
 
 
+def test_decode_time_beyond_the_debt_banks_no_credit_against_the_next_hold():
+    """The debt is decoding owed and never negative: a decode step longer than what was owed does not prepay the
+    next prefill step's hold, which the running requests are owed in full again."""
+    sched, _ = make(chunk_size=16, cache="none", prefill_share=0.5, keys_per_token=16)
+    sched.add(seq(range(4), max_new=40, rid="a"))
+    step(sched)
+    sched.add(seq(range(100, 200), rid="p"))
+    assert step(sched).is_decode
+    sched.account(step(sched), 1.0)  # p's chunk held a for 1 s: owed 1 s
+    batch = step(sched)
+    assert batch.is_decode
+    sched.account(batch, 5.0)  # a slow decode step: 4 s more than owed
+    assert sched._prefill_debt == 0.0
+    batch = step(sched)
+    assert not batch.is_decode and batch.stalled
+    sched.account(batch, 1.0)  # owed 1 s again, not 1 s less the 4 s decoded beyond the debt
+    kinds = []
+    for _ in range(3):
+        batch = step(sched)
+        sched.account(batch, 0.5)
+        kinds.append("d" if batch.is_decode else "p")
+        assert sched._prefill_debt >= 0.0
+    assert kinds == ["d", "d", "p"]
+
+
 def test_without_a_share_extend_and_decode_alternate_with_whole_chunks():
     sched, _ = make(chunk_size=16, cache="none", keys_per_token=16)  # prefill_share 1 (the Scheduler's default)
     sched.add(seq(range(4), max_new=20, rid="a"))
@@ -915,6 +940,24 @@ def test_long_prompts_are_prefilled_one_at_a_time_so_a_short_one_behind_them_get
     assert sched.waiting == [p2] and len(p2.slots) == 0
 
 
+def test_a_long_prompt_mostly_cached_is_not_held_behind_a_long_prefill():
+    """Only what is left to compute makes a prompt long: one whose cached prefix leaves a few tokens joins the step
+    beside the long prefill under way, however many tokens it has."""
+    sched, alloc = make(capacity=400, chunk_size=32, padded=False, prefill_share=0.5, keys_per_token=32)
+    shared = list(range(1000, 1100))
+    sched.add(seq(shared, max_new=1, rid="c"))
+    while sched.has_work():
+        step(sched)  # c's 100 tokens are now in the tree
+    sched.add(seq(range(100), rid="p1"))
+    assert step(sched).chunks == [32]
+    p2 = seq(shared + [2000, 2001], rid="p2")
+    sched.add(p2)
+    batch = step(sched)
+    assert shape(batch)[1] == ["p1", "p2"] and batch.chunks[1] == 2  # after its 100 cached tokens
+    assert sched.waiting == []
+    assert_pool_accounted(sched, alloc)
+
+
 # ----------------------------------------------------------------------------------------------- priorities
 def test_without_priorities_nothing_changes_and_higher_ones_are_admitted_first_in_policy_order():
     sched, _ = make(max_running=8, cache="none", padded=False)
@@ -957,6 +1000,18 @@ def test_a_higher_priority_preempts_beside_mixed_steps():
     sched.add(high)
     assert shape(step(sched))[1] == ["high"] and sched.stats.preemptions == 1
     assert [s.rid for s in sched.running] == ["low-old", "high"] and sched.stats.mixed_steps == 0
+    assert_pool_accounted(sched, alloc)
+
+
+def test_equal_priorities_still_mix():
+    """Once priorities are in use, a waiting request of the running ones' own priority outranks none of them: it
+    joins a mixed step as without priorities (only a higher one gets a plain extend step, to preempt)."""
+    sched, alloc = make(max_running=4, cache="none", padded=False, mixed_prefill_tokens=8, keys_per_token=16)
+    sched.add(seq(range(4), rid="a", max_new=20, priority=2))
+    step(sched)
+    sched.add(seq(range(100, 140), rid="p", priority=2))
+    assert shape(step(sched)) == (False, ["a", "p"], [1, 8], [True, False])
+    assert sched.stats.mixed_steps == 1 and sched.stats.preemptions == 0
     assert_pool_accounted(sched, alloc)
 
 

@@ -14,6 +14,10 @@ from jsgl.engine.engine import Engine
 from jsgl.engine.request import SamplingParams
 from tests.conftest import assert_no_leak
 
+# Every test here loads the model and runs engines (94-139 s): the full suite's. Their quick counterparts, on the
+# host model through EngineLoop, are in test_speculative_unit.py.
+pytestmark = pytest.mark.slow
+
 OPTIONS = dict(kv_cache_gb=0.25, max_running_requests=32, chunked_prefill_size=256, precompile="off")
 # Chat-formatted (tokenizer's template) in the fixtures: answers that copy the question, and free ones.
 COPYING = ["Fix the spelling: The wether was beutiful and the childern played in the park all afternon.",

@@ -28,6 +28,7 @@ from jsgl.engine.speculative import (
 )
 from jsgl.radix.no_cache import NoPrefixCache
 from jsgl.radix.radix_cache import RadixCache
+from tests.host_model import OracleProposer, host_engine
 
 
 def test_prompt_lookup_takes_the_latest_longest_match():
@@ -165,6 +166,26 @@ def test_grammar_cut_keeps_what_the_regex_allows(tokenizer, backend):
     assert grammar_cut(seq, tokenizer.encode("abc", add_special_tokens=False)) is None
 
 
+@pytest.mark.parametrize("backend", ["jsgl", "llguidance"])
+def test_grammar_cut_masks_are_the_states_after_each_prefix(tokenizer, backend):
+    """``masks[i]`` is a fresh copy of the constraint advanced by ``tokens[:i]``, the bonus row's (after the last
+    token) too: a mask one token behind would let a row sample what the grammar forbids there."""
+    manager = ConstraintManager(tokenizer, tokenizer.vocab_size, {tokenizer.eos_token_id}, jump_forward=False,
+                                grammar_backend=backend)
+    seq = _sequence(tokenizer, tokenizer.encode("Age:"), max_new_tokens=16, regex=r"[0-9]{1,3} years")
+    manager.prepare(seq)
+    manager.activate(seq, 10_000)
+    draft = grammar_cut(seq, tokenizer.encode("42 years", add_special_tokens=False))
+    assert tokenizer.decode(draft.tokens) == "42 years" and len(draft.masks) == len(draft.tokens) + 1
+    for i, mask in enumerate(draft.masks):
+        state = seq.constraint.copy()
+        for token in draft.tokens[:i]:
+            state.advance(token)
+        assert np.array_equal(mask, state.allowed_token_bitmask()), f"mask {i} of {len(draft.masks)}"
+    # The states differ (digits only first, then " years" too): equal masks above are not a coincidence.
+    assert not np.array_equal(draft.masks[0], draft.masks[1])
+
+
 def _sequence(tokenizer, prompt_ids, *, max_new_tokens, regex=None, stop=None, min_new_tokens=0):
     params = SamplingParams(max_new_tokens=max_new_tokens, regex=regex, stop=stop, min_new_tokens=min_new_tokens)
     detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
@@ -252,3 +273,179 @@ def test_verify_rows_sample_as_the_request_would_at_each_position(tokenizer):
     # Row i samples after the output and the draft's first i tokens: the frequency penalty counts them.
     assert [float(r.logit_bias[8]) for r in rows] == [0.0, -0.5, -1.0]
     assert [float(r.logit_bias[7]) for r in rows] == [-0.5, -0.5, -0.5]
+
+
+# ------------------------------------------------------------------ verify steps through EngineLoop (host model)
+# Quick counterparts of test_speculative.py's engine tests (slow: the real model): EngineLoop with the host model
+# (tests/host_model.py) and drafts from an oracle of it, right up to a chosen token, against the loop without drafts.
+GREEDY, SEEDED, PENALIZED = dict(temperature=0.0), dict(temperature=0.9), dict(temperature=0.8, frequency_penalty=0.3)
+
+
+def _host_requests(tokenizer, params, max_new_tokens=12, prompts=None):
+    """Fresh requests (one per params dict, each its own id and seed) over prompts that share nothing."""
+    seqs = []
+    for i, extra in enumerate(params):
+        sampling = SamplingParams(**{"max_new_tokens": max_new_tokens, "ignore_eos": True, **extra})
+        prompt = prompts[i] if prompts is not None else [100 + 10 * i + k for k in range(6)]
+        seqs.append(Sequence(rid=f"r{i}", prompt_ids=list(prompt), params=sampling,
+                             detok=IncrementalDetokenizer(tokenizer, sampling.stop_strings), seed=7 + i,
+                             stop_ids=set(sampling.stop_token_ids or [])))
+    return seqs
+
+
+def _speculating(engine, wrong_from, num_draft_tokens=3):
+    engine.loop.speculator = Speculator(OracleProposer(engine.runner, wrong_from),
+                                        SpeculativeSettings(num_draft_tokens=num_draft_tokens),
+                                        engine.scheduler.token_limit)
+    return engine.loop.speculator
+
+
+def _outputs(seqs):
+    return [(s.output_ids, s.finish_reason, s.detok.text) for s in seqs]
+
+
+def _plain_and_speculative(tokenizer, params, wrong_from, *, page_size=1, between=None, **request_options):
+    """The same requests through the loop without drafts and with the oracle's: (plain, speculative) engines
+    and requests."""
+    runs = []
+    for speculative in (False, True):
+        engine = host_engine(tokenizer, page_size=page_size)
+        if speculative:
+            _speculating(engine, wrong_from)
+        seqs = _host_requests(tokenizer, params, **request_options)
+        engine.run(seqs, between=between(seqs, engine) if between is not None else None)
+        assert engine.pool_is_whole()
+        runs.append((engine, seqs))
+    return runs
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("wrong_from", [0, 1, 3])
+def test_after_each_verify_step_a_request_holds_the_slots_of_its_tokens_only(tokenizer, page, wrong_from):
+    """EngineLoop's verify steps, drafts wholly rejected (0), partly (1) or wholly accepted (3 of 3): right after
+    each step a running request holds at most the pages of its tokens (a rejected draft's slots are not kept until
+    the request ends), and the pool accounts for every slot."""
+    engine = host_engine(tokenizer, page_size=page)
+    spec = _speculating(engine, wrong_from)
+    seqs = _host_requests(tokenizer, [GREEDY, GREEDY, SEEDED], max_new_tokens=16)
+    for seq in seqs:
+        engine.scheduler.add(seq)
+    checked = 0
+    while not engine.loop.idle():
+        verified = spec.stats.verify_steps
+        engine.loop.step()
+        if spec.stats.verify_steps == verified:
+            continue
+        checked += 1
+        running = engine.scheduler.running
+        for seq in running:
+            # (one without a draft in the step holds no slot yet for its newest token)
+            assert seq.num_computed <= len(seq.slots) <= -(-seq.num_tokens // page) * page, \
+                (seq.rid, len(seq.slots), seq.num_tokens)
+        assert engine.allocator.num_free() + sum(len(s.slots) for s in running) == engine.allocator.capacity
+    assert checked >= 3 and (spec.stats.accepted > 0) == (wrong_from > 0)
+    assert engine.allocator.num_free() == engine.allocator.capacity
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("wrong_from", [0, 2])
+def test_verify_steps_give_the_plain_loops_tokens_greedy_seeded_and_penalized(tokenizer, wrong_from, page):
+    """Drafts accepted in part (or never) change no token of a greedy, a seeded and a penalized request
+    (test_speculative's greedy, seeded and page-of-sixteen tests), and nothing leaks; fewer forward passes when drafts
+    are accepted."""
+    (plain, plain_seqs), (engine, seqs) = _plain_and_speculative(tokenizer, [GREEDY, SEEDED, PENALIZED, GREEDY],
+                                                                 wrong_from, page_size=page)
+    assert _outputs(seqs) == _outputs(plain_seqs)
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs)
+    spec = engine.loop.speculator
+    assert spec.stats.verify_steps > 0 and (spec.stats.accepted > 0) == (wrong_from > 0)
+    assert (engine.loop.forward_passes < plain.loop.forward_passes) == (wrong_from > 0)
+
+
+def test_verified_tokens_logprobs_are_their_rows(tokenizer):
+    """A verified token's logprob and top logprobs are those of the row that sampled it: the plain loop's."""
+    wanted = dict(temperature=0.0, return_logprob=True, top_logprobs_num=3)
+    (_, plain_seqs), (engine, seqs) = _plain_and_speculative(tokenizer, [wanted, wanted], 2)
+    assert engine.loop.speculator.stats.accepted > 0
+    for got, want in zip(seqs, plain_seqs):
+        assert got.output_ids == want.output_ids and len(got.output_logprobs) == len(got.output_ids)
+        assert got.output_logprobs == want.output_logprobs
+        assert got.output_top_logprobs == want.output_top_logprobs
+
+
+def test_constrained_tokens_are_the_same_and_jumps_ride_decode_steps(tokenizer):
+    """Under a regex with a forced run (", because "): the same tokens as without drafts, the same forced tokens, and
+    the forced run rides a decode step's rows instead of an extend step of its own."""
+    constrained = dict(temperature=0.0, regex=r"(yes|no), because [a-z]{1,12} [a-z]{1,12}\.")
+    (plain, plain_seqs), (engine, seqs) = _plain_and_speculative(tokenizer, [constrained, GREEDY], 2,
+                                                                 max_new_tokens=40)
+    assert _outputs(seqs) == _outputs(plain_seqs)
+    assert ", because " in seqs[0].detok.text and seqs[0].finish_reason == FinishReason.STOP
+    jumped = [s.jump_forward_tokens for s in seqs]
+    assert jumped == [s.jump_forward_tokens for s in plain_seqs] and jumped[0] > 0
+    assert engine.scheduler.stats.extend_steps < plain.scheduler.stats.extend_steps
+    assert engine.loop.speculator.stats.accepted > 0
+
+
+def test_limits_stops_and_aborts_inside_drafts_leak_nothing(tokenizer):
+    """A budget, a stop token and a stop string reached inside an accepted draft, min_new_tokens past a stop token
+    there, and a request aborted between verify steps: each ends as without drafts, and the pool comes back whole."""
+    plain, plain_seqs = host_engine(tokenizer), _host_requests(tokenizer, [GREEDY], max_new_tokens=20)
+    plain.run(plain_seqs)
+    text, ids = plain_seqs[0].detok.text, plain_seqs[0].output_ids
+    stop_token, stop_string = ids[5], tokenizer.decode(ids[7:9])
+    assert stop_string and stop_string in text and ids.index(stop_token) == 5
+    cases = [dict(max_new_tokens=7), dict(stop_token_ids=[stop_token]), dict(stop=[stop_string]),
+             dict(stop_token_ids=[stop_token], min_new_tokens=8), dict()]
+    prompt = plain_seqs[0].prompt_ids
+
+    def abort_the_last(seqs, engine):
+        def between(step):
+            if step == 4 and not seqs[-1].finished:
+                engine.loop.finish(seqs[-1], FinishReason.ABORT)
+        return between
+
+    (_, plain_seqs), (engine, seqs) = _plain_and_speculative(
+        tokenizer, [{**GREEDY, **case} for case in cases], 2, max_new_tokens=20, prompts=[prompt] * len(cases),
+        between=abort_the_last)
+    assert _outputs(seqs[:-1]) == _outputs(plain_seqs[:-1])
+    assert [s.finish_reason for s in seqs] == [FinishReason.LENGTH, FinishReason.STOP, FinishReason.STOP,
+                                               FinishReason.LENGTH, FinishReason.ABORT]
+    assert len(seqs[0].output_ids) == 7 and seqs[1].output_ids[-1] == stop_token
+    assert engine.loop.speculator.stats.accepted > 0
+
+
+def test_a_failed_verify_step_falls_back_to_plain_steps(tokenizer):
+    """A verify step whose dispatch fails (the pools intact) gives its drafts' slots back and steps its requests
+    without drafts: the same tokens as the plain loop, nothing leaked."""
+    failures = []
+
+    def fail_the_first_verify_step(seqs, engine):
+        def fails(items):
+            if not failures and len(items) > len(seqs):  # rows beyond one per request: drafts
+                failures.append(len(items))
+                return True
+            return False
+        engine.runner.fail = fails
+        return None
+
+    (_, plain_seqs), (engine, seqs) = _plain_and_speculative(tokenizer, [GREEDY, SEEDED], 2,
+                                                             between=fail_the_first_verify_step)
+    assert failures and _outputs(seqs) == _outputs(plain_seqs)
+    assert all(s.finish_reason == FinishReason.LENGTH for s in seqs)
+
+
+def test_an_answer_asked_again_is_drafted_from_the_prefix_cache_and_accepted_whole(tokenizer):
+    """NgramProposer on the loop's radix cache: asked the same greedy prompt again, the cached answer is the draft,
+    and the model accepts all of it."""
+    engine = host_engine(tokenizer, prefix_cache="radix")
+    spec = engine.loop.speculator = Speculator(NgramProposer(engine.loop.prefix_cache, 1, 4),
+                                               SpeculativeSettings(num_draft_tokens=4), engine.scheduler.token_limit)
+    first = _host_requests(tokenizer, [GREEDY], max_new_tokens=16)
+    engine.run(first)
+    proposed, accepted = spec.stats.proposed, spec.stats.accepted
+    again = _host_requests(tokenizer, [GREEDY], max_new_tokens=16)
+    engine.run(again)
+    assert again[0].output_ids == first[0].output_ids
+    assert spec.stats.proposed - proposed >= 8 and spec.stats.accepted - accepted == spec.stats.proposed - proposed
+    assert engine.pool_is_whole()

@@ -35,7 +35,7 @@ from jsgl.engine.model_runner import ModelRunner, enable_compilation_cache
 from jsgl.engine.output_processor import OutputProcessor
 from jsgl.engine.overlap import CPU_OVERLAP_MAX_BATCH, OverlapScheduler
 from jsgl.engine.platform import current_platform, describe, max_step_tokens, pool_slots, resolve_defaults
-from jsgl.engine.precompiler import StepCompiler
+from jsgl.engine.precompiler import compile_plan
 from jsgl.engine.request import GenerateOutput, InvalidRequestError, SamplingParams, new_request_id
 from jsgl.engine.sampling_params import expand_parallel_samples
 from jsgl.engine.scheduler import Scheduler
@@ -189,18 +189,7 @@ class Engine:
                 runner.compiler.start_background(background, then=self.constraints.backend.warm)
                 return 0.0
         t0 = time.perf_counter()
-        try:
-            runner.compiler.compile_all(plan)
-        except Exception:
-            if runner.store is None or not runner.store.loaded:
-                raise
-            # A stored executable that does not run (XLA's serialization has had gaps): compile without the store.
-            log.exception("a stored step executable failed to run; removing %s and compiling", runner.store.directory)
-            runner.store.forget()
-            runner.store, runner.compiler = None, StepCompiler(runner)
-            if not runner.kv_intact():
-                runner.reset_kv()
-            runner.compiler.compile_all(plan)
+        compile_plan(runner, plan)
         self.constraints.backend.warm()  # a warm start: the regex vocabulary too (a first regex request waits ~0.5 s)
         if background:
             runner.compiler.start_background(background)

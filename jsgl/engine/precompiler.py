@@ -211,6 +211,23 @@ class StepCompiler:
             self.runner.run_sampler(num_b, logits)
 
 
+def compile_plan(runner: ModelRunner, plan: list[tuple]) -> None:
+    """``compile_all(plan)`` before the first request. A stored executable that does not run (XLA's serialization has
+    had gaps) drops the executable store, and the plan compiles afresh through a new compiler on intact pools."""
+    try:
+        runner.compiler.compile_all(plan)
+    except Exception:
+        if runner.store is None or not runner.store.loaded:
+            raise
+        log.exception("a stored step executable failed to run; removing %s and compiling", runner.store.directory)
+        runner.store.forget()
+        # Not the old compiler: it holds the executables loaded from the store, the one that failed among them.
+        runner.store, runner.compiler = None, StepCompiler(runner)
+        if not runner.kv_intact():
+            runner.reset_kv()
+        runner.compiler.compile_all(plan)
+
+
 def order(plan: list[tuple]) -> list[tuple]:
     """The order a first workload meets shapes: fewer requests first, then fewer tokens, then shorter context."""
     return sorted(plan, key=lambda signature: (signature[1], signature[0], signature[3], signature[4]))

@@ -53,6 +53,13 @@ _BOOT = ("import os\ntry:\n    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_
          "import runpy\nrunpy.run_module('jsgl.fsm.build_worker', run_name='__main__', alter_sys=True)\n")
 
 
+def kill_limits(seconds: float) -> tuple[float, float]:
+    """When the parent kills a child building under a time limit of ``seconds``: past this many CPU seconds, or
+    this many wall seconds after the request. Both leave the child's own check (at the limit) time to answer."""
+    grace = max(BACKSTOP_FRACTION * seconds, GRACE_MIN_S)
+    return seconds + grace, WALL_BACKSTOP_FACTOR * seconds + grace
+
+
 @dataclass
 class BuildStats:
     """What the last build cost its child, as the parent read it from /proc."""
@@ -161,8 +168,8 @@ class BuildProcess:
             raise RuntimeError("the constraint build process died") from exc
         self._fingerprint = vocab.fingerprint
         cpu_start, t0 = procfs.cpu_seconds(proc.pid), time.monotonic()
-        grace = max(BACKSTOP_FRACTION * seconds, GRACE_MIN_S)
-        wall_kill_at = t0 + WALL_BACKSTOP_FACTOR * seconds + grace
+        cpu_kill_after, wall_kill_after = kill_limits(seconds)
+        wall_kill_at = t0 + wall_kill_after
         max_rss = budget.max_build_memory_bytes * (1 + BACKSTOP_FRACTION)
         told = False
         # select() sees the pipe, not the reader's buffer: safe, as everything the child wrote before this
@@ -177,7 +184,7 @@ class BuildProcess:
                 self._record(proc, "killed: memory", used, t0)
                 self.replace()
                 raise BuildMemoryError(budget.max_build_memory_bytes)
-            if (used is not None and used > seconds + grace) or time.monotonic() > wall_kill_at:
+            if (used is not None and used > cpu_kill_after) or time.monotonic() > wall_kill_at:
                 self._record(proc, "killed: time", used, t0)
                 self.replace()
                 raise ConstraintBudgetError(
