@@ -300,7 +300,8 @@ def serve_replicas(args: argparse.Namespace, limits: ServerLimits) -> int:
     replicas = None
     try:
         replicas = Replicas(engine_config(args), dp=args.dp, policy=args.router_policy, ray_address=args.ray_address,
-                            host=args.host, port=args.port, limits=limits)
+                            host=args.host, port=args.port, limits=limits,
+                            control_key=args.control_plane_api_key)
         print(f"jsgl: {args.dp} replicas of {args.model} behind sglang-router ({args.router_policy}) at "
               f"{replicas.url}", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
@@ -401,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="with --dp: join this Ray cluster (ray.init(address=...)) (default: none, a local "
                             "cluster started and stopped with the server)")
+    serve.add_argument("--control-plane-api-key", default=None, metavar="KEY",
+                       help="with --dp: the key of the router's admin routes (/workers: list, add, remove), as "
+                            "'Authorization: Bearer KEY' (default: a fresh random key, known to jsgl alone)")
     add_engine_args(serve)
     serve.add_argument("--dry-run", action="store_true",
                        help="print the memory plan (weights, activations, KV slots per device) and exit "

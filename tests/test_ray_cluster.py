@@ -142,10 +142,12 @@ def head() -> Iterator[Head]:
         assert not h.processes()
 
 
+CONTROL_KEY = "the-supervisors-key"  # --control-plane-api-key: the test reads the router's workers with it
+
 def _serve(head: Head, port: int, log_path: Path, dp: int = DP) -> subprocess.Popen:
     flags = [x for key, value in WORKER.items() for x in (f"--{key.replace('_', '-')}", str(value))]
     cmd = [sys.executable, "-m", "jsgl.cli", "serve", "--dp", str(dp), "--ray-address", head.address,
-           "--port", str(port), "--precompile", "off", *flags]
+           "--port", str(port), "--precompile", "off", "--control-plane-api-key", CONTROL_KEY, *flags]
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=head.env, start_new_session=True)
 
@@ -196,7 +198,9 @@ def test_replicas_join_an_existing_cluster_and_leave_it_running(head, tmp_path):
         assert head.cpus_in_use(DP), head.status()
         session = set(head.processes())
         assert all(a["pid"] in session for a in replicas), (replicas, session)
-        workers = httpx.get(f"{url}/workers", timeout=10).json()["workers"]
+        assert httpx.get(f"{url}/workers", timeout=10).status_code == 401  # the router's admin routes need the key
+        workers = httpx.get(f"{url}/workers", headers={"Authorization": f"Bearer {CONTROL_KEY}"},
+                            timeout=10).json()["workers"]
         assert {urlparse(w["url"]).hostname for w in workers} == {a["ip"] for a in replicas}, workers
         assert all(w["is_healthy"] for w in workers) and len(workers) == DP, workers
         for worker in workers:  # each answers at that address (bound to 0.0.0.0)

@@ -436,3 +436,45 @@ def test_the_supervision_thread_registers_a_restarted_replica():
         supervisor.join(5)
         endpoint.down()
     assert not supervisor.is_alive()
+
+
+@needs_extra
+def test_the_routers_admin_routes_need_its_key():
+    """Whoever reaches the router must not list, add or remove its workers (a keyless POST /workers once sent every
+    request to a stranger's server); the supervisor's key does."""
+    from jsgl.server.router_process import RouterProcess
+
+    router = RouterProcess([], policy="round_robin", control_key="the-supervisors-key")
+    try:
+        router.wait_for_workers(0)
+        keyless = [httpx.get(f"{router.url}/workers", timeout=5),
+                   httpx.post(f"{router.url}/workers", json={"url": "http://127.0.0.1:9"}, timeout=5),
+                   httpx.delete(f"{router.url}/workers/any", timeout=5)]
+        assert [r.status_code for r in keyless] == [401, 401, 401], [r.text for r in keyless]
+        wrong = httpx.get(f"{router.url}/workers", headers={"Authorization": "Bearer guess"}, timeout=5)
+        assert wrong.status_code == 401 and router.workers() == []
+    finally:
+        router.stop()
+    generated = RouterProcess([], policy="round_robin")
+    try:
+        assert len(generated.control_key) >= 32
+        generated.wait_for_workers(0)
+        assert httpx.get(f"{generated.url}/workers", timeout=5).status_code == 401
+    finally:
+        generated.stop()
+
+
+@needs_extra
+@pytest.mark.slow
+def test_a_replica_removed_from_the_router_is_registered_again(replicas):
+    """Not only a replica that went down: one the router lost while serving (removed through the admin route) is
+    put back by the supervisor, and requests reach both replicas again."""
+    router = replicas.router
+    victim = router.workers()[0]
+    headers = {"Authorization": f"Bearer {router.control_key}"}
+    httpx.delete(f"{router.url}/workers/{victim['id']}", headers=headers, timeout=10).raise_for_status()
+    deadline = time.monotonic() + 60
+    while not any(w["url"] == victim["url"] and w["is_healthy"] for w in router.workers()):
+        assert time.monotonic() < deadline, router.workers()
+        time.sleep(0.2)
+    assert sorted(w["url"] for w in router.workers()) == sorted(replicas.urls)

@@ -115,7 +115,8 @@ class Replicas:
     def __init__(self, config: Any, dp: int = 2, policy: str = "cache_aware", ray_address: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, limits: ServerLimits | None = None,
                  gpus_per_replica: float | None = None, hang_restart_s: float = 30.0,
-                 health_interval_s: float = 2.0, start_timeout: float = 900.0) -> None:
+                 health_interval_s: float = 2.0, start_timeout: float = 900.0,
+                 control_key: str | None = None) -> None:
         check_installed()
         import ray
 
@@ -131,7 +132,7 @@ class Replicas:
             self._start_ray(ray_address, dp)
             self._start_replicas(host, limits, gpus_per_replica, start_timeout)
             self.router = RouterProcess([r.url for r in self.replicas], policy=policy, host=host, port=port,
-                                        health_interval_s=max(1, round(health_interval_s)))
+                                        health_interval_s=max(1, round(health_interval_s)), control_key=control_key)
             self.router.wait_for_workers(dp, timeout=start_timeout)
         except BaseException:
             self.stop()
@@ -212,6 +213,20 @@ class Replicas:
                     self._check(replica)
                 except Exception:  # the loop must outlive any one failed check
                     log.exception("supervising replica %d", replica.index)
+            try:
+                self._register_missing()
+            except Exception:
+                log.exception("checking the router's workers")
+
+    def _register_missing(self) -> None:
+        """Put back every serving replica the router lost, whoever removed it (not only those that went down)."""
+        assert self.router is not None
+        registered = {worker["url"] for worker in self.router.workers()}
+        for replica in self.replicas:
+            if not replica.down and replica.url not in registered and not self._stopped.is_set():
+                log.warning("replica %d at %s was missing from the router: registered again", replica.index,
+                            replica.url)
+                self.router.register(replica.url)
 
     def _check(self, replica: Replica) -> None:
         asked = time.monotonic()  # a hang counts from the first unanswered probe's start, not its timeout

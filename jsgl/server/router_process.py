@@ -18,6 +18,7 @@ with no shared prefix all go to one replica, restarted or not; concurrent ones s
 from __future__ import annotations
 
 import contextlib
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -46,11 +47,15 @@ class RouterProcess:
     """`python -m sglang_router.launch_router` over `worker_urls`, logging to a temporary file."""
 
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", host: str = "127.0.0.1",
-                 port: int | None = None, health_interval_s: int = 2) -> None:
+                 port: int | None = None, health_interval_s: int = 2, control_key: str | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r}: one of {', '.join(POLICIES)}")
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
+        # Its admin routes (/workers: add, remove, list) are on the clients' port: behind a key, or whoever reaches
+        # the router could swap the replicas for a server of theirs. A fresh one per start unless given.
+        self.control_key = control_key or secrets.token_urlsafe(32)
+        self._admin = {"Authorization": f"Bearer {self.control_key}"}
         self.log = tempfile.NamedTemporaryFile(prefix="sglang-router-", suffix=".log", delete=False)  # noqa: SIM115
         # Health checks every few seconds (its default is 60 s: a dead worker would get requests for a minute);
         # a worker added later is polled each second, not every 30 s. No circuit breaker: its state is kept by URL
@@ -60,11 +65,11 @@ class RouterProcess:
                "--log-level", "warn", "--health-check-interval-secs", str(health_interval_s),
                "--health-failure-threshold", "2", "--health-success-threshold", "1",
                "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "600",
-               "--disable-circuit-breaker"]
+               "--disable-circuit-breaker", "--control-plane-api-keys", f"jsgl:jsgl replicas:admin:{self.control_key}"]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def workers(self) -> list[dict]:
-        return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
+        return httpx.get(f"{self.url}/workers", headers=self._admin, timeout=5).json()["workers"]
 
     def wait_for_workers(self, n: int, timeout: float = 120.0) -> None:
         """Until the router has registered `n` healthy workers (it registers them in the background)."""
@@ -83,9 +88,13 @@ class RouterProcess:
             if worker["url"] == url:
                 if worker.get("model_id"):  # the same model key as before: the policy's tree is per model
                     spec["model_id"] = worker["model_id"]
-                httpx.delete(f"{self.url}/workers/{worker['id']}", timeout=10).raise_for_status()
+                httpx.delete(f"{self.url}/workers/{worker['id']}", headers=self._admin, timeout=10).raise_for_status()
         self._wait(lambda ws: all(w["url"] != url for w in ws), timeout, f"remove {url}")
-        httpx.post(f"{self.url}/workers", json=spec, timeout=10).raise_for_status()
+        self.register(url, spec, timeout)
+
+    def register(self, url: str, spec: dict | None = None, timeout: float = 60.0) -> None:
+        """Add ``url`` as a worker (0.3.2: POST /workers, queued in the router) and wait until it is healthy."""
+        httpx.post(f"{self.url}/workers", json=spec or {"url": url}, headers=self._admin, timeout=10).raise_for_status()
         self._wait(lambda ws: any(w["url"] == url and w["is_healthy"] for w in ws), timeout, f"add {url}")
 
     def _wait(self, done: Callable[[list[dict]], bool], timeout: float, what: str) -> None:
