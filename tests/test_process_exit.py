@@ -1,9 +1,9 @@
 """A process that used jsgl exits 0, as a user's script does: no `shutdown()`, an engine left with its background
 compile under way, a DSL program, Ctrl-C in the middle of a generate or a program (its requests end, their KV is
-freed, the engine serves on). Each script runs as its own process, several times: the failure this guards against
-(the interpreter tearing down a thread inside XLA at exit: `FATAL: exception not rethrown`, status 134) came in
-4 of 6 runs of the README's first program. The quick loop runs them on a tiny checkpoint; the slow tests on the
-default model."""
+freed, the engine serves on), a server thread left serving. Each script runs as its own process, several times:
+the failure this guards against (the interpreter tearing down a thread inside XLA at exit: `FATAL: exception not
+rethrown`, status 134) came in 4 of 6 runs of the README's first program. The quick loop runs three of them once,
+on a tiny checkpoint; the full suite runs the others twice, and the README's program on the default model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.test_model_families import TINY
 
-RUNS = 3  # runs of each script in the full suite (the quick loop: one)
+RUNS = 2  # runs of a script in the slow tests (the quick loop's run each once)
 FATAL_MARKS = ("FATAL", "terminate called", "Traceback", "Segmentation fault", "core dumped")
 
 PRELUDE = """
@@ -96,6 +96,15 @@ assert isinstance(state.error(), jsgl.ProgramInterrupted), state.error()
 assert_released(engine)
 assert engine.generate("Hello", {"max_new_tokens": 4, "ignore_eos": True}).completion_tokens == 4
 """,
+    # An engine served over HTTP from a thread, left serving at exit.
+    "server_thread": """
+import httpx
+from jsgl.server.launch import ServerThread
+
+server = ServerThread(jsgl.Engine(model=MODEL)).start()
+body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+assert httpx.post(f"{server.url}/generate", json=body, timeout=120).status_code == 200
+""",
     # An engine nobody holds any more stops its threads (it is collected: nothing of it keeps running).
     "collected": """
 engine = jsgl.Engine(model=MODEL)
@@ -136,15 +145,18 @@ def tiny_model(tmp_path_factory) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("name", ["collected", "compile_in_flight", "interrupts"])
+QUICK_SCRIPTS = ["collected", "compile_in_flight", "interrupts"]
+
+
+@pytest.mark.parametrize("name", QUICK_SCRIPTS)
 def test_script_exits_cleanly(name, tiny_model, tmp_path):
     run_script(name, tiny_model, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - set(QUICK_SCRIPTS)))
 def test_script_exits_cleanly_every_time(name, tiny_model, tmp_path):
-    run_script(name, tiny_model, tmp_path, runs=RUNS if name == "first_program" else RUNS - 1)  # (+ the quick one)
+    run_script(name, tiny_model, tmp_path, runs=RUNS)
 
 
 @pytest.mark.slow

@@ -160,6 +160,7 @@ class ServerThread:
 
     def start(self, timeout: float = 60.0) -> ServerThread:
         self.thread.start()
+        atexit.register(self.stop)  # drained before the engine stops (exit hooks run last registered first)
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
@@ -168,8 +169,10 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self.server.should_exit = True
-        self.thread.join(timeout=15)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=15)
 
     def __enter__(self) -> ServerThread:
         return self.start()

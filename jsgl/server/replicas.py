@@ -14,6 +14,7 @@ existing cluster; otherwise a local one is started (and stopped with the replica
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -138,6 +139,7 @@ class Replicas:
             self.stop()
             raise
         self.url = self.router.url
+        atexit.register(self.stop)  # a script that exits without stop() leaves no router or replica behind
         self._supervisor = threading.Thread(target=self._supervise, name="jsgl-replicas-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -262,6 +264,7 @@ class Replicas:
 
     def stop(self) -> None:
         """The router, then each replica (gracefully, then killed), then Ray if it was started here."""
+        atexit.unregister(self.stop)
         self._stopped.set()
         supervisor = getattr(self, "_supervisor", None)
         if supervisor is not None and supervisor is not threading.current_thread():
