@@ -74,15 +74,24 @@ class OutputProcessor:
         too_short = len(output_ids) < p.min_new_tokens and bool(seq.stop_ids)
         if not (penalize or too_short or p.logit_bias):
             return None
-        bias = np.zeros(self.vocab_size, np.float32)
+        bias = self._request_bias(seq).copy()
         if penalize:
             counts = np.bincount(np.asarray(output_ids), minlength=self.vocab_size)[: self.vocab_size]
             bias -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        for token, value in p.token_bias().items():
-            bias[token] += value
         if too_short:
             bias[[t for t in seq.stop_ids if t < self.vocab_size]] = -np.inf
         return bias
+
+    def _request_bias(self, seq: Sequence) -> np.ndarray:
+        """The request's own logit_bias as a row, built once (a whole vocabulary's dict cost ~20 ms a step)."""
+        if seq.bias_row is None:
+            bias = seq.params.token_bias()
+            row = np.zeros(self.vocab_size, np.float32)
+            if bias:
+                tokens = np.fromiter(bias.keys(), np.int64, len(bias))
+                np.add.at(row, tokens, np.fromiter(bias.values(), np.float32, len(bias)))
+            seq.bias_row = row
+        return seq.bias_row
 
     def _repetition_scale(self, seq: Sequence, output_ids: list[int]) -> np.ndarray | None:
         """Multiplicative repetition penalty on tokens already generated (SGLang's: the output only;

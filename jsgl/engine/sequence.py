@@ -44,6 +44,7 @@ class Sequence:
     prefix_node: Any = None  # prefix-cache handle locked while this sequence runs
     constraint: TokenConstraint | None = None
     constraint_ready: Any = None  # a Future resolving to the constraint while its FSM compiles
+    bias_row: np.ndarray | None = None  # the request's logit_bias as a vocabulary row, built on its first step
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
