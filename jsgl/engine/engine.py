@@ -138,7 +138,8 @@ class Engine:
             attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
             padded_attention=not self.runner.length_free, match_fraction=cfg.cache_match_fraction,
             mixed_prefill_tokens=cfg.mixed_prefill_tokens, keys_per_token=self.runner.keys_per_token(),
-            prefill_share=cfg.prefill_share)
+            prefill_share=cfg.prefill_share, priority_scheduling=cfg.enable_priority_scheduling,
+            starvation_s=cfg.starvation_s)
         self._rng = random.Random(cfg.seed)
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              cfg.jump_forward, cfg.grammar_backend)
