@@ -53,7 +53,10 @@ ENGINE_HELP = {
                             "recomputed; sets a hit rate, Fig. 8(a)(b)); 1: the whole match",
     "schedule_policy": "order of the waiting queue: lpm (longest cached prefix first), dfs-weight (the paper's DFS "
                        "order), fcfs, lof (longest max_new_tokens first), random",
-    "starvation_s": "a request waiting longer than this many seconds is admitted first",
+    "starvation_s": "a request waiting longer than this many seconds is admitted first, whatever the priorities, and "
+                    "is not preempted",
+    "enable_priority_scheduling": "schedule by requests' `priority` (higher first, preempting lower ones); off: "
+                                  "every request counts as priority 0",
     "jump_forward": "compressed-FSM jump-forward for regex and JSON-schema requests",
     "grammar_backend": "constrained decoding: jsgl (compressed FSM: regex, JSON schema, jump-forward) or "
                        "llguidance (also EBNF grammars)",
@@ -120,6 +123,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if field.type in ("bool", bool):
             if help_text and "default:" not in help_text:
                 help_text += f" (default: {'on' if field.default else 'off'})"
+            if field.name.startswith("enable_"):  # SGLang's store_true flags: bare means on (on|off still taken)
+                parser.add_argument(flag, type=_on_off, nargs="?", const=True, default=field.default,
+                                    metavar="on|off", help=help_text)
+                continue
             parser.add_argument(flag, type=lambda v: v.lower() in ("1", "on", "true", "yes"),
                                 default=field.default, metavar="on|off", help=help_text)
         else:
@@ -128,6 +135,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
             parser.add_argument(flag, type=kind, default=field.default, choices=choices.get(field.name),
                                 help=help_text)
+
+
+def _on_off(value: str) -> bool:
+    # Strict: a bare flag followed by a positional argument must not read it as "off".
+    if value.lower() in ("1", "on", "true", "yes"):
+        return True
+    if value.lower() in ("0", "off", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, not {value!r}")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -175,6 +175,15 @@ def test_every_engine_field_has_its_help():
     assert set(cli.ENGINE_HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
 
 
+
+def test_priority_scheduling_is_off_unless_the_flag_is_given_bare_as_sglangs_or_on():
+    parse = cli.build_parser().parse_args
+    assert not cli.engine_config(parse(["serve"])).enable_priority_scheduling  # SGLang's default
+    assert cli.engine_config(parse(["serve", "--enable-priority-scheduling"])).enable_priority_scheduling
+    assert not cli.engine_config(parse(["serve", "--enable-priority-scheduling", "off"])).enable_priority_scheduling
+    with pytest.raises(SystemExit):  # a bare flag does not read a prompt after it as "off"
+        parse(["generate", "--enable-priority-scheduling", "a prompt"])
+
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_multihost_flags_as_sglang_names_them(command, monkeypatch):
     """--nnodes/--node-rank/--dist-init-addr/--dist-timeout reach the engine's config; a rank > 0 follows rank 0

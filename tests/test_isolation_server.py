@@ -175,6 +175,19 @@ def test_constraints_over_budget_are_400_and_hurt_no_one(server, http, solo, par
     assert_server_no_leak(http)
 
 
+def test_n_samples_that_can_never_fit_the_kv_pool_together_are_400(server, http, engine):
+    """64 samples of 1000 tokens in a smaller pool retracted and recomputed each other for minutes (#66)."""
+    pool = engine.allocator.capacity
+    too_many = {"n": 64, "max_new_tokens": 1000}
+    assert_error(http.post("/generate", json={"text": "Hi", "sampling_params": too_many}), 400,
+                 "n = 64 samples", "max_new_tokens 1000", f"the KV pool holds {pool}")
+    completion = {"model": engine.config.model, "prompt": "Hi", "n": 64, "max_tokens": 1000}
+    assert_error(http.post("/v1/completions", json=completion), 400, "n = 64 samples", f"the KV pool holds {pool}")
+    fits = http.post("/generate", json={"text": "Hi", "sampling_params": {"n": 2, "max_new_tokens": 2}})
+    assert fits.status_code == 200 and len(fits.json()) == 2
+    assert_server_no_leak(http)
+
+
 def test_openai_response_format_over_budget_is_400(server, http):
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 1000000}}}
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,

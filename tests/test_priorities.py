@@ -22,7 +22,8 @@ LOW = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine("smollm2-135m", max_running_requests=2, kv_cache_gb=0.05, precompile="off")
+    eng = Engine("smollm2-135m", max_running_requests=2, kv_cache_gb=0.05, precompile="off",
+                 enable_priority_scheduling=True)  # off by default, as SGLang's
     yield eng
     eng.shutdown()
 

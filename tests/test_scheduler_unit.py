@@ -960,7 +960,7 @@ def test_a_long_prompt_mostly_cached_is_not_held_behind_a_long_prefill():
 
 # ----------------------------------------------------------------------------------------------- priorities
 def test_without_priorities_nothing_changes_and_higher_ones_are_admitted_first_in_policy_order():
-    sched, _ = make(max_running=8, cache="none", padded=False)
+    sched, _ = make(max_running=8, cache="none", padded=False, priority_scheduling=True)
     for i, prio in enumerate([0, 2, 0, 2, 1]):
         sched.add(seq(range(10 * i, 10 * i + 4), rid=f"r{i}p{prio}", arrival=float(i), priority=prio))
     assert shape(step(sched))[1] == ["r1p2", "r3p2", "r4p1", "r0p0", "r2p0"]  # stable within a priority
@@ -971,7 +971,7 @@ def test_without_priorities_nothing_changes_and_higher_ones_are_admitted_first_i
 
 
 def test_a_higher_priority_preempts_the_lowest_newest_running_request_at_max_running():
-    sched, _ = make(max_running=2, cache="none")
+    sched, _ = make(max_running=2, cache="none", priority_scheduling=True)
     low_old, low_new = seq(range(4), rid="low-old", arrival=0.0), seq(range(10, 14), rid="low-new", arrival=1.0)
     sched.add(low_old), sched.add(low_new)
     step(sched)
@@ -990,7 +990,8 @@ def test_a_higher_priority_preempts_the_lowest_newest_running_request_at_max_run
 def test_a_higher_priority_preempts_beside_mixed_steps():
     """Mixed steps (the accelerators' default) keep every running request in them: a waiting request that outranks
     one gets a plain extend step instead, where it preempts as without mixed steps."""
-    sched, alloc = make(max_running=2, cache="none", padded=False, mixed_prefill_tokens=8, keys_per_token=16)
+    sched, alloc = make(max_running=2, cache="none", padded=False, mixed_prefill_tokens=8, keys_per_token=16,
+                        priority_scheduling=True)
     sched.add(seq(range(4), rid="low-old", arrival=0.0, max_new=20))
     sched.add(seq(range(10, 14), rid="low-new", arrival=1.0, max_new=20))
     step(sched)
@@ -1016,7 +1017,7 @@ def test_equal_priorities_still_mix():
 
 
 def test_a_higher_priority_short_of_kv_takes_a_lower_ones_slots():
-    sched, alloc = make(capacity=24, cache="none", chunk_size=32)
+    sched, alloc = make(capacity=24, cache="none", chunk_size=32, priority_scheduling=True)
     low = seq(range(16), rid="low", max_new=20)
     sched.add(low)
     step(sched)
@@ -1038,7 +1039,7 @@ def test_a_request_held_behind_a_long_prefill_preempts_nobody():
     """Preempting for a request that is then held (a long prompt behind the long prefill under way) only let the
     victim back in, to be preempted again next step: preemption happens once the request is really admitted."""
     sched, alloc = make(capacity=800, max_running=2, cache="none", padded=False, prefill_share=0.5,
-                        keys_per_token=32)
+                        keys_per_token=32, priority_scheduling=True)
     sched.add(seq(range(4), rid="l1", max_new=40))
     step(sched)
     sched.add(seq(range(1000, 1400), rid="p"))
@@ -1052,3 +1053,36 @@ def test_a_request_held_behind_a_long_prefill_preempts_nobody():
     assert sched.stats.preemptions <= 1
     assert_pool_accounted(sched, alloc)
 
+
+
+def test_without_priority_scheduling_a_higher_priority_neither_overtakes_nor_preempts():
+    """SGLang's default: `priority` is ignored unless --enable-priority-scheduling; every request counts as 0."""
+    sched, _ = make(max_running=1, cache="none")
+    first = seq(range(4), rid="first", arrival=0.0, max_new=4)
+    sched.add(first)
+    sched.add(seq(range(10, 14), rid="high", arrival=1.0, priority=2**31 - 1))
+    batches = []
+    while not first.finished:
+        batches.append(shape(step(sched))[1])
+    assert batches == [["first"]] * 4  # admitted first and decoded to the end: nobody preempted it
+    assert shape(step(sched))[1] == ["high"] and sched.stats.preemptions == 0
+
+
+def test_a_high_priority_flood_cannot_starve_an_old_request_past_the_guard():
+    """Past starvation_s a request goes first whatever the priorities waiting, and once running no priority
+    preempts it (a flood would retract it again and again)."""
+    now = time.monotonic()
+    sched, _ = make(max_running=2, cache="none", priority_scheduling=True, starvation_s=30.0)
+    sched.add(seq(range(4), rid="new-low", arrival=now, max_new=20))
+    step(sched), step(sched)  # its prefill, then a decode step: the next step may admit
+    old = seq(range(10, 14), rid="old", arrival=now - 31, max_new=20)
+    flood = [seq(range(100 + 10 * i, 104 + 10 * i), rid=f"flood{i}", arrival=now, priority=2**31 - 1)
+             for i in range(4)]
+    for s in [*flood[:2], old, *flood[2:]]:
+        sched.add(s)
+    batch = step(sched)  # one high-priority flood request preempts new-low; the old one goes first in the queue
+    assert shape(batch)[1][0] == "old" and sched.stats.preemptions == 1
+    for _ in range(10):
+        step(sched, expect=False)
+    assert old in sched.running + sched.prefilling or old.finished
+    assert sched.stats.preemptions == 1  # nobody retracted the old one for the flood

@@ -68,7 +68,7 @@ class StubEngine:
         self.calls.append(("submit", request_id))
         return self._make(prompt, sampling_params or {}, request_id)
 
-    def submit_batch(self, prompts, sampling_params, request_ids=None):
+    def submit_batch(self, prompts, sampling_params, request_ids=None, samples=None):
         """All or nothing, as the engine's: a bad prompt or a length mismatch queues none of them."""
         self.threads.add(threading.current_thread().name)
         self.calls.append(("submit_batch", len(prompts)))

@@ -67,6 +67,31 @@ class Admission:
             raise InvalidRequestError(f"logprob_start_len {params.logprob_start_len} >= prompt length")
         return ids
 
+    def check_samples_fit(self, prompt_ids: Seq[list[int]], params: Seq[SamplingParams],
+                          samples: Seq[int] | None) -> None:
+        """Refuse the n samples of a prompt (``samples[i]`` consecutive requests) that together can never fit the KV
+        pool: admitted together, they would retract and recompute each other over and over, holding the engine."""
+        if samples is None:
+            return
+        if sum(samples) != len(prompt_ids):
+            raise ValueError(f"samples counts {sum(samples)} requests of {len(prompt_ids)}")
+        start = 0
+        for n in samples:
+            if n > 1:
+                self._check_group_fits(len(prompt_ids[start]), params[start].max_new_tokens, n)
+            start += n
+
+    def _check_group_fits(self, prompt_len: int, max_new_tokens: int | None, n: int) -> None:
+        limit = min(self.max_context, self.kv_capacity)  # a request stops growing there (None: it may reach it)
+        new = limit - prompt_len if max_new_tokens is None else min(max_new_tokens, limit - prompt_len)
+        # The radix cache holds the shared prompt once; without it each sample computes its own copy.
+        prompts = 1 if self.config.prefix_cache == "radix" else n
+        need = prompts * prompt_len + n * new
+        if need > self.kv_capacity:
+            asked = "no max_new_tokens" if max_new_tokens is None else f"max_new_tokens {max_new_tokens}"
+            raise InvalidRequestError(f"n = {n} samples of a {prompt_len}-token prompt with {asked} need up to "
+                                      f"{need} KV slots; the KV pool holds {self.kv_capacity}")
+
     def _tokenize(self, prompt: str | SpannedPrompt | Seq[int]) -> list[int]:
         if isinstance(prompt, (str, SpannedPrompt)):
             text = prompt_text(prompt)

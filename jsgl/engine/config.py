@@ -57,7 +57,10 @@ class EngineConfig:
     # a workload's cache hit rate (SequenceKV.match_fraction). 1.0: the whole match.
     cache_match_fraction: float = 1.0
     schedule_policy: str = "lpm"  # lpm | dfs-weight | fcfs | lof | random
-    starvation_s: float | None = 30.0  # waiting longer than this goes first
+    starvation_s: float | None = 30.0  # waiting longer than this goes first, whatever the priorities
+    # Request priorities (SGLang's --enable-priority-scheduling): higher first, preempting lower ones. Off (SGLang's
+    # default), a request's `priority` is validated but ignored: every request counts as 0.
+    enable_priority_scheduling: bool = False
     jump_forward: bool = True  # compressed-FSM jump-forward for regex/json_schema requests
     # Constrained decoding: jsgl's compressed FSM (regex, JSON schema; jump-forward) or llguidance (also
     # SGLang's `ebnf` grammars and schemas our regex conversion does not cover).

@@ -138,7 +138,8 @@ class Engine:
             attention_bytes=self.runner.attention_bytes, order_waiting=self._order_waiting(),
             padded_attention=not self.runner.length_free, match_fraction=cfg.cache_match_fraction,
             mixed_prefill_tokens=cfg.mixed_prefill_tokens, keys_per_token=self.runner.keys_per_token(),
-            prefill_share=cfg.prefill_share)
+            prefill_share=cfg.prefill_share, priority_scheduling=cfg.enable_priority_scheduling,
+            starvation_s=cfg.starvation_s)
         self._rng = random.Random(cfg.seed)
         self.constraints = ConstraintManager(self.tokenizer, self.model_config.vocab_size, self.stop_ids,
                                              cfg.jump_forward, cfg.grammar_backend)
@@ -237,15 +238,18 @@ class Engine:
         spans are tokenized as plain text (special tokens' strings there split)."""
         return self._enqueue([self._make_sequence(prompt, sampling_params, request_id)])[0]
 
-    def submit_batch(self, prompts: list, sampling_params: list,
-                     request_ids: list[str] | None = None) -> list[RequestHandle]:
+    def submit_batch(self, prompts: list, sampling_params: list, request_ids: list[str] | None = None,
+                     samples: list[int] | None = None) -> list[RequestHandle]:
         """Queue several requests atomically: the scheduler sees them in the same step (one by one, the first
-        would start computing alone while the rest are tokenized). ``request_ids``: the client's ids."""
+        would start computing alone while the rest are tokenized). ``request_ids``: the client's ids. ``samples``:
+        per prompt, how many consecutive requests are its n samples (expand_parallel_samples'); n samples that
+        together can never fit the KV pool are refused."""
         seqs: list[Sequence] = []
         ids = request_ids if request_ids is not None else [None] * len(prompts)
         try:
             for prompt, params, rid in zip(prompts, sampling_params, ids, strict=True):
                 seqs.append(self._make_sequence(prompt, params, rid))
+            self.admission.check_samples_fit([s.prompt_ids for s in seqs], [s.params for s in seqs], samples)
         except BaseException:
             release_constraints(seqs)  # all or nothing: no build keeps running for a rejected batch
             raise
@@ -294,10 +298,11 @@ class Engine:
         if len(params) != len(batch):
             raise InvalidRequestError("need one sampling_params per prompt")
         params = [SamplingParams.from_any(p) for p in params]  # validated once per sample, by submit_batch
+        samples = [p.n for p in params]
         if any(p.n > 1 for p in params):  # n samples of a prompt: n requests, consecutive (as SGLang)
             batch, params = expand_parallel_samples(batch, params)
             single = False
-        handles = self.submit_batch(batch, params)
+        handles = self.submit_batch(batch, params, samples=samples)
         show = progress if progress is not None else (not single and len(batch) > 1)
         try:
             if show:

@@ -68,7 +68,7 @@ class Scheduler:
                  chunk_size: int, max_context: int, attention_budget_bytes: int,
                  attention_bytes: Any, order_waiting: Any | None = None, padded_attention: bool = True,
                  match_fraction: float = 1.0, mixed_prefill_tokens: int = 0, keys_per_token: float = 1024.0,
-                 prefill_share: float = 1.0):
+                 prefill_share: float = 1.0, priority_scheduling: bool = False, starvation_s: float | None = None):
         self.allocator = allocator
         self.cache = prefix_cache if prefix_cache is not None else NoPrefixCache(allocator.page_size)
         self.kv = SequenceKV(allocator, self.cache, match_fraction)  # each sequence's slots: match, grow, release
@@ -97,12 +97,17 @@ class Scheduler:
         self._last_prefill = (0.0, 0.0)  # the last extend step's end (time.monotonic) and duration
         self.stats = SchedulerStats()
         self._last_was_extend = False
+        # Off (SGLang's default): every request counts as priority 0, for the queue's order and for preemption.
+        self.priority_scheduling = priority_scheduling
+        # A request waiting this long since it arrived goes first whatever its priority, and no priority preempts it.
+        self.starvation_s = starvation_s
+        self._now = time.monotonic()  # the step's clock, for the starvation guard
         self._prioritized = False  # a request with a priority arrived: the queue's priority order is kept from then
 
     # ------------------------------------------------------------------------------------ state
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._prioritized = self._prioritized or seq.params.priority != 0
+        self._prioritized = self._prioritized or self._priority(seq) != 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -113,6 +118,7 @@ class Scheduler:
     # ---------------------------------------------------------------------------------- batching
     def schedule(self) -> Batch | None:
         self.running = [s for s in self.running if not s.finished]
+        self._now = time.monotonic()
         # A waiting request that outranks a running one gets a plain extend step: there it may preempt (a mixed
         # step keeps every running request in it).
         if self.running and (self.prefilling or self.waiting) and self.mixed_prefill_tokens \
@@ -236,7 +242,7 @@ class Scheduler:
         if self.waiting and self.order_waiting is not None:
             self.waiting = self.order_waiting(self.waiting)
         if self._prioritized:
-            self.waiting.sort(key=lambda s: -s.params.priority)  # stable: the policy's order within a priority
+            self.waiting.sort(key=self._queue_rank)  # stable: the policy's order within a rank
         # A waiting request may retract running ones of a lower priority (a mixed step is not scheduled then).
         preempting = self._prioritized and not mixed and self._outranked(self.running)
         deferred: list[Sequence] = []
@@ -356,25 +362,42 @@ class Scheduler:
             longest = max(longest, common - seq.num_cached)
         return longest
 
+    def _priority(self, seq: Sequence) -> int:
+        """The priority ``seq`` is scheduled by: its own with priority scheduling on, else 0."""
+        return seq.params.priority if self.priority_scheduling else 0
+
+    def _starved(self, seq: Sequence) -> bool:
+        """Whether ``seq`` has waited past the starvation guard since it arrived (retracted or not)."""
+        return self.starvation_s is not None and self._now - seq.arrival_time >= self.starvation_s
+
+    def _queue_rank(self, seq: Sequence) -> tuple[int, int]:
+        # Starved requests first whatever their priority, in the policy's order (its guard's: arrival), then priority.
+        return (0, 0) if self._starved(seq) else (1, -self._priority(seq))
+
     def _outranked(self, running: list[Sequence]) -> bool:
-        """Whether a waiting request has a higher priority than a running one."""
-        return bool(running and self.waiting) and \
-            max(s.params.priority for s in self.waiting) > min(s.params.priority for s in running)
+        """Whether a waiting request has a higher priority than a running one (starved ones neither preempt nor
+        are preempted: they go first by order alone)."""
+        waiting = [self._priority(s) for s in self.waiting if not self._starved(s)]
+        preemptible = [self._priority(s) for s in running if not self._starved(s)]
+        return bool(waiting and preemptible) and max(waiting) > min(preemptible)
 
     def _preempt_for(self, seq: Sequence) -> bool:
-        """Retract the running request of the lowest priority (the newest of those) if it is below ``seq``'s."""
-        if not self.running:
+        """Retract the running request of the lowest priority (the newest of those) if it is below ``seq``'s; a
+        starved request is never the victim, so a flood of higher priorities cannot keep retracting it."""
+        preemptible = [s for s in self.running if not self._starved(s)]
+        if not preemptible or self._starved(seq):
             return False
-        victim = min(self.running, key=lambda s: (s.params.priority, -s.arrival_time))
-        if victim.params.priority >= seq.params.priority:
+        victim = min(preemptible, key=lambda s: (self._priority(s), -s.arrival_time))
+        if self._priority(victim) >= self._priority(seq):
             return False
         self.retract(victim)
         self.stats.preemptions += 1
         return True
 
     def _schedule_decode(self) -> Batch | None:
-        # Lowest priority, then newest, first out when memory runs short, so older requests keep making progress.
-        self.running.sort(key=lambda s: (-s.params.priority, s.arrival_time))
+        # Lowest priority, then newest, first out when memory runs short, so older requests keep making progress
+        # (starved ones last of all).
+        self.running.sort(key=lambda s: (*self._queue_rank(s), s.arrival_time))
         while self.running:
             short = [s for s in self.running if len(s.slots) < s.num_tokens]
             if all(self.kv.grow(s, s.num_tokens) for s in short):

@@ -90,7 +90,7 @@ class EngineBackend(BaseBackend):
         kwargs = sampling_params.to_engine_kwargs()
         if kwargs.get("n", 1) > 1:  # n requests, batched together (as Engine.generate expands them)
             prompts, params = expand_parallel_samples([s.prompt_()], [SamplingParams.from_any(kwargs)])
-            outs = self._wait(s, self.engine.submit_batch(prompts, params))
+            outs = self._wait(s, self.engine.submit_batch(prompts, params, samples=[len(prompts)]))
             return [o.text for o in outs], [self._meta(o, sampling_params) for o in outs]
         out = self._result(s.prompt_(), kwargs, s)
         return out.text, self._meta(out, sampling_params)

@@ -196,11 +196,12 @@ async def _generate(req: GenerateRequest, request: Request) -> Any:
     rids = None if req.rid is None else _per_item(req.rid, len(prompts), "rid")
     if rids is not None and not isinstance(req.rid, list) and len(prompts) > 1:
         raise APIError("a batch needs one `rid` per prompt", param="rid")
+    samples = [p.n for p in params]
     if any(p.n != 1 for p in params):
         prompts, params, rids = _parallel_samples(prompts, params, rids)
         single = False  # SGLang answers n > 1 with a list, the samples of each prompt consecutive
     handles = await submit(state.engine, state.registry, prompts, params, rids,
-                           max_live=state.limits.max_concurrent_requests)
+                           max_live=state.limits.max_concurrent_requests, samples=samples)
     group = HandleGroup(handles, state.registry)
     with_text = req.return_text_in_logprobs
     if req.stream:

@@ -114,7 +114,7 @@ async def run_choices(state: ServerState, prompts: list[Any], params: dict[str, 
     all_prompts, all_params = expand_parallel_samples(prompts, [one] * len(prompts))
     rids = [f"{rid_base}-{k}" for k in range(len(all_prompts))]
     handles = await submit(state.engine, state.registry, all_prompts, all_params, rids,
-                           max_live=state.limits.max_concurrent_requests)
+                           max_live=state.limits.max_concurrent_requests, samples=[n] * len(prompts))
     return HandleGroup(handles, state.registry)
 
 

@@ -61,9 +61,11 @@ class RequestRegistry:
 
 
 async def submit(engine: Any, registry: RequestRegistry, prompts: list[Any], params: list[dict[str, Any]],
-                 rids: list[str] | None = None, max_live: int | None = None) -> list[Any]:
+                 rids: list[str] | None = None, max_live: int | None = None,
+                 samples: list[int] | None = None) -> list[Any]:
     """Queue the requests; raises InvalidRequestError (-> 400) before any is queued when one is bad, and
-    OverloadedError (-> 503) when `max_live` requests would be exceeded.
+    OverloadedError (-> 503) when `max_live` requests would be exceeded. ``samples``: the engine's (the n of each
+    prompt, whose samples must fit the KV pool together).
 
     Submission runs in a worker thread because it tokenizes (and may validate a regex), which is too
     slow for the event loop on long prompts. The engine itself refuses an id that is in use.
@@ -73,7 +75,7 @@ async def submit(engine: Any, registry: RequestRegistry, prompts: list[Any], par
                               "(--max-concurrent-requests); retry later")
 
     def run() -> list[Any]:  # atomic, all or nothing: the scheduler sees the whole batch at once
-        return engine.submit_batch(prompts, params, request_ids=rids)
+        return engine.submit_batch(prompts, params, request_ids=rids, samples=samples)
 
     handles = await asyncio.to_thread(run)
     registry.add(handles)
