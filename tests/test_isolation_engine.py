@@ -54,16 +54,15 @@ def test_request_limits(engine):
 
 def test_n_samples_that_can_never_fit_the_kv_pool_together_are_refused(engine):
     """n x (prompt + max_new_tokens) over the pool (the prompt once: the radix cache shares it) is refused before
-    any sample is queued; no max_new_tokens counts up to the context (capped at the pool) per sample."""
+    any sample is queued; samples without a max_new_tokens are not refused (they end at EOS or the pool's size)."""
     pool = engine.allocator.capacity
     with pytest.raises(InvalidRequestError, match=f"n = 64 samples .* the KV pool holds {pool}"):
         engine.generate("hello", {"n": 64, "max_new_tokens": 1000})
-    with pytest.raises(InvalidRequestError, match="no max_new_tokens"):
-        engine.generate("hello", {"n": 2, "max_new_tokens": None})
     per_sample = (pool - 8) // 2  # two samples of a short prompt that just fit
     alone = {"max_new_tokens": pool}  # one request alone stops at the pool's size, as before
     for handle in [*engine.submit_batch(["hello"] * 2, [{"max_new_tokens": per_sample}] * 2, samples=[2]),
-                   *engine.submit_batch(["hello"], [alone], samples=[1])]:
+                   *engine.submit_batch(["hello"], [alone], samples=[1]),
+                   *engine.submit_batch(["hello"] * 2, [{"max_new_tokens": None}] * 2, samples=[2])]:
         handle.abort()
     assert_no_leak(engine)
 

@@ -82,14 +82,16 @@ class Admission:
             start += n
 
     def _check_group_fits(self, prompt_len: int, max_new_tokens: int | None, n: int) -> None:
-        limit = min(self.max_context, self.kv_capacity)  # a request stops growing there (None: it may reach it)
-        new = limit - prompt_len if max_new_tokens is None else min(max_new_tokens, limit - prompt_len)
+        if max_new_tokens is None:  # no limit asked for (chat's default): the samples end at EOS, or the pool's size
+            return
+        limit = min(self.max_context, self.kv_capacity)  # a request stops growing there
+        new = min(max_new_tokens, limit - prompt_len)
         # The radix cache holds the shared prompt once; without it each sample computes its own copy.
         prompts = 1 if self.config.prefix_cache == "radix" else n
         need = prompts * prompt_len + n * new
         if need > self.kv_capacity:
-            asked = "no max_new_tokens" if max_new_tokens is None else f"max_new_tokens {max_new_tokens}"
-            raise InvalidRequestError(f"n = {n} samples of a {prompt_len}-token prompt with {asked} need up to "
+            raise InvalidRequestError(f"n = {n} samples of a {prompt_len}-token prompt with max_new_tokens "
+                                      f"{max_new_tokens} need up to "
                                       f"{need} KV slots; the KV pool holds {self.kv_capacity}")
 
     def _tokenize(self, prompt: str | SpannedPrompt | Seq[int]) -> list[int]:

@@ -154,9 +154,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     # max_tokens is deprecated in favor of max_completion_tokens (OpenAI's reference): the newer field wins.
     limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, limit_field)
-    if max_tokens is None:
-        max_tokens = state.max_context  # OpenAI's default: until the context is full (the engine stops there)
-    else:
+    if max_tokens is not None:  # (None: OpenAI's default, until the context is full; the engine stops there)
         check_max_tokens(state, max_tokens, limit_field)
     params = sampling_params(req, max_tokens)
     if plan.active:  # the JSON schema -> regex conversion is bounded but not free: off the event loop
