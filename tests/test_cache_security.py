@@ -153,9 +153,9 @@ def test_a_marker_held_by_a_live_load_is_waited_for_not_taken_as_a_crash(tmp_pat
         assert not crashed
 
 
-def _refuse_writes_under(monkeypatch, root: Path, error: int) -> None:
+def refuse_writes_under(monkeypatch, root: Path, error: int) -> None:
     """os calls that write under ``root`` raise OSError(error) (as root, a chmod'ed directory would not)."""
-    under = lambda p: str(os.fspath(p)).startswith(str(root))
+    under = lambda p: isinstance(p, (str, bytes, os.PathLike)) and os.fsdecode(p).startswith(str(root))
 
     def failing(real, path_arg=0, when=lambda *a, **k: True):
         def call(*args, **kwargs):
@@ -172,7 +172,7 @@ def _refuse_writes_under(monkeypatch, root: Path, error: int) -> None:
 
 def test_a_read_only_warm_cache_loads_what_it_holds_and_compiles_the_rest_unstored(cache, monkeypatch, caplog):
     ExecutableStore("config-a").compile(_lowered(8), "f8")
-    _refuse_writes_under(monkeypatch, cache, errno.EROFS)
+    refuse_writes_under(monkeypatch, cache, errno.EROFS)
     store = ExecutableStore("config-a")
     with caplog.at_level(logging.WARNING):
         assert store.load("f8") is not None and store.loaded == 1  # os.utime's EROFS no longer stops the start
@@ -184,7 +184,7 @@ def test_a_read_only_warm_cache_loads_what_it_holds_and_compiles_the_rest_unstor
 
 def test_a_read_only_cold_cache_compiles_unstored(cache, monkeypatch):
     cache.mkdir(mode=0o700)
-    _refuse_writes_under(monkeypatch, cache, errno.EROFS)
+    refuse_writes_under(monkeypatch, cache, errno.EROFS)
     store = ExecutableStore("config-a")
     assert store.load("f8") is None and store.compile(_lowered(8), "f8") is not None and store.stored == 0
 
