@@ -28,6 +28,11 @@ class MissingExtraError(RefusedError, ImportError):
     """An optional dependency a feature needs is not installed; the message says what to pip install."""
 
 
+class UnsafeCacheError(RefusedError):
+    """A cache directory (or its key) that another user could write into: jsgl runs code it loads from there.
+    No built-in base on purpose: the caches' ``except OSError`` (a read-only or full disk) must not swallow it."""
+
+
 class InvalidRequestError(RefusedError, ValueError):
     """Bad input from a caller; the engine rejects the request and keeps serving (HTTP 400)."""
 

@@ -33,7 +33,8 @@ def _session_cache_dir() -> tuple[Path, Path]:
     (shared / "models").mkdir(parents=True, exist_ok=True)
     session = Path(tempfile.mkdtemp(prefix="jsgl-test-cache-"))
     for entry in shared.iterdir():
-        if entry.name not in PER_SESSION_CACHES and not entry.name.startswith("."):
+        # .secret: the key the shared executable store's files are sealed with (jsgl/cache_security.py)
+        if entry.name not in PER_SESSION_CACHES and (not entry.name.startswith(".") or entry.name == ".secret"):
             (session / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
     os.environ["JSGL_CACHE_DIR"] = str(session)
     return session, shared

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jsgl.cache_security import MAGIC
 from jsgl.kernels import cpu
 from jsgl.kernels.attention import AttentionMetadata, native_paged_attention
 
@@ -23,6 +24,16 @@ def test_kernels_build_and_register():
     assert cpu.available(), f"the CPU kernels failed to build or register: {cpu.unavailable_reason()}"
     # Built for the widest vectors the CPU has: AVX-512 where it is, else AVX2 (two registers a vector).
     assert cpu.vector_isa() == ("avx512" if "avx512f" in Path("/proc/cpuinfo").read_text() else "avx2")
+
+
+def test_the_built_library_is_cached_sealed_and_the_next_load_takes_it_from_the_cache(monkeypatch):
+    assert cpu.available(), cpu.unavailable_reason()
+    _, key = cpu._build_command()
+    cached = cpu._kernels_dir() / f"jsgl_cpu_{key}.so"
+    assert cached.read_bytes().startswith(MAGIC) and cached.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setattr(cpu, "_build", lambda *args: pytest.fail("built again though the cache holds it"))
+    assert cpu._load_library().jsgl_avx512() in (0, 1)  # a second copy, loaded from the verified bytes
+    assert sorted(p.name for p in cached.parent.iterdir()) == [cached.name]  # no scratch directory left
 
 
 # ------------------------------------------------------------------------------------------------- matmul

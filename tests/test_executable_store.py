@@ -4,6 +4,7 @@ same greedy tokens without compiling."""
 
 from __future__ import annotations
 
+import errno
 import os
 from types import SimpleNamespace
 
@@ -147,6 +148,29 @@ def test_a_stored_step_that_fails_to_run_is_dropped_and_compiled(store_root, mon
     try:
         assert second.runner.store is None and not directory.exists()  # dropped, compiled without the store
         assert second.runner.kv_intact()
+        assert second.generate("The capital of France is", greedy).token_ids == expected
+    finally:
+        second.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_starts_and_serves_from_a_read_only_store(store_root, monkeypatch):
+    from test_cache_security import refuse_writes_under
+
+    from jsgl.engine.engine import Engine
+    from jsgl.engine.request import SamplingParams
+
+    options = dict(max_running_requests=1, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    first = Engine(precompile="common", **options)
+    try:
+        expected = first.generate("The capital of France is", greedy).token_ids
+    finally:
+        first.shutdown()
+    refuse_writes_under(monkeypatch, store_root, errno.EROFS)  # as a read-only image of a warm cache would
+    second = Engine(precompile="common", **options)
+    try:
+        assert second.stats()["loaded_from_store"] > 0  # on main, os.utime's EROFS stopped this start
         assert second.generate("The capital of France is", greedy).token_ids == expected
     finally:
         second.shutdown()

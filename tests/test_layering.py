@@ -1,6 +1,6 @@
 """The dependency direction of docs/architecture.md, checked on every import statement (function-local
 ones included): lang -> engine -> (radix, fsm, model -> kernels); nothing below imports from above.
-`jsgl.errors` and `jsgl.paths` sit at the root so that every layer can share them.
+`jsgl.errors`, `jsgl.paths` and `jsgl.cache_security` sit at the root so that every layer can share them.
 
 The two front ends sit side by side on the engine, and neither imports the other: lang (the DSL) reaches the
 runtime only through the engine's API (`Runtime`) or over HTTP (`RuntimeEndpoint`), never model/, kernels/,
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "jsgl"
-SHARED = {"errors", "paths"}
+SHARED = {"errors", "paths", "cache_security"}
 ALLOWED = {
     "kernels": {"kernels"},
     "radix": {"radix"},

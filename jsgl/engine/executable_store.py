@@ -12,6 +12,11 @@ its kernels (jaxlib 0.10: "Function wrapped_slice.N not found" on its first run)
 store neither reads that cache (a compile option at its default value gives it a key of its own) nor writes it
 (so the key never exists there; a thread-local jax setting), and one that hit the cache all the same
 (``jax.monitoring``'s hit event, seen on the compiling thread) is not stored.
+
+A stored file is code this process runs: it is sealed (an HMAC under the user's secret, jsgl/cache_security.py) and
+one without a valid tag is removed, never unpickled; a load that kills the process leaves a marker, so the next start
+drops that file instead of crashing again. A read-only or full cache loads what it holds and compiles the rest
+without storing it, with a warning.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ try:  # a thread-local setting (jax 0.10-0.12); without it the hit check below s
 except ImportError:  # pragma: no cover
     _min_cache_write_secs = None
 
+from jsgl.cache_security import discard, ensure_private_dir, loading_guard, seal, unseal
 from jsgl.kernels.cpu import cpu_signature
 from jsgl.paths import cache_dir
 
@@ -94,6 +100,11 @@ class ExecutableStore:
         self.root = root or Path(os.environ.get("JSGL_EXECUTABLE_STORE_DIR") or cache_dir() / "executables")
         self.directory = self.root / digest.hexdigest()[:24]
         self.loaded = self.stored = 0
+        self.writable = True  # until a write fails: then compiled steps are not stored (one warning)
+        try:
+            ensure_private_dir(self.root)
+        except OSError as exc:
+            self._stop_writing(exc)
         _listen_for_cache_hits()
 
     def _path(self, name: str) -> Path:
@@ -103,17 +114,25 @@ class ExecutableStore:
         return self._path(name).exists()
 
     def load(self, name: str) -> Any | None:
-        """The executable stored as ``name``, or None (not stored, or unreadable: it is compiled again)."""
+        """The executable stored as ``name``, or None (not stored, not authentic, or unreadable: it is compiled
+        again)."""
         path = self._path(name)
-        try:
-            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-        except FileNotFoundError:
+        if not path.exists():
             return None
-        except Exception as exc:  # a partial or foreign file: recompiled and overwritten
-            log.warning("executable store: %s unreadable (%s); compiling it", path, exc)
-            return None
-        os.utime(self.directory)  # recently used: pruned last
+        with loading_guard(path) as crashed_before:
+            if crashed_before:
+                discard(path, f"executable store: a process died loading {path}")
+                return None
+            payload = unseal(path, "executable store: stored executable")
+            if payload is None:
+                return None
+            try:  # authentic: written by this user's jsgl
+                compiled = serialize_executable.deserialize_and_load(*pickle.loads(payload))
+            except Exception as exc:  # an executable this jax cannot load: recompiled and overwritten
+                log.warning("executable store: %s unreadable (%s); compiling it", path, exc)
+                return None
+        with contextlib.suppress(OSError):  # a read-only cache
+            os.utime(self.directory)  # recently used: pruned last
         self.loaded += 1
         return compiled
 
@@ -142,15 +161,22 @@ class ExecutableStore:
         except Exception as exc:  # e.g. a backend without serialization: the step still runs, unstored
             log.info("executable store: %s not stored (%s)", name, exc)
             return
+        if not self.writable:
+            return
         fresh = not self.directory.exists()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self._path(name)
-        temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        temporary.write_bytes(blob)
-        os.replace(temporary, path)  # whole or absent: processes and threads may race
+        try:
+            ensure_private_dir(self.directory)
+            seal(self._path(name), blob)  # whole or absent: processes and threads may race
+        except OSError as exc:  # a read-only or full cache: the step runs, unstored
+            self._stop_writing(exc)
+            return
         self.stored += 1
         if fresh:
             prune(self.root, keep=self.directory)
+
+    def _stop_writing(self, exc: OSError) -> None:
+        self.writable = False
+        log.warning("executable store: cannot write under %s (%s); compiling without storing", self.root, exc)
 
 
 def prune(root: Path, keep: Path, max_bytes: int = MAX_BYTES) -> None:

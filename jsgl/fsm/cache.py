@@ -10,7 +10,8 @@ build is cancelled (see build_queue) and nothing is cached.
 Builds run under a BuildBudget (budget.py): they are statically checked before being queued, and
 stop with ConstraintBudgetError when they grow past it; only builds within budget are cached. The
 disk cache (cache_dir()/fsm/*.npz) keeps at most JSGL_FSM_DISK_CACHE_BYTES (default 1 GiB),
-evicting the least recently used files (a load touches the file's mtime).
+evicting the least recently used files (a load touches the file's mtime). The files are plain arrays, loaded
+with ``allow_pickle=False`` (no code runs), 0600 in a 0700 directory; a read-only or full disk skips the write.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jsgl.errors import InvalidRequestError
+from jsgl.cache_security import ensure_private_dir
+from jsgl.errors import InvalidRequestError, UnsafeCacheError
 from jsgl.fsm.budget import DEFAULT_BUDGET, BuildBudget, BuildGuard, BuildPreempted
 from jsgl.fsm.build_process import build_in_child, worker_process
 from jsgl.fsm.build_queue import BuildJob, BuildQueue
@@ -96,9 +98,9 @@ def _save(index: TokenIndex, key: str) -> None:
         return
     try:
         path = _disk_path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(path.parent)  # 0700: the files hold clients' regexes
         index.save(path)
-    except OSError as e:
+    except (OSError, UnsafeCacheError) as e:  # read-only, full, or not ours: served, not cached
         log.warning("could not write FSM cache file: %s", e)
         return
     evict_disk_cache(quota)

@@ -15,10 +15,12 @@ Layout per state s (state numbers are the byte FSM's: 0 is the start, states bel
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -104,23 +106,30 @@ class TokenIndex:
         joined = "".join(self.jump_strings)
         offsets = np.cumsum([0] + [len(s) for s in self.jump_strings]).astype(np.int64)
         tmp = path.with_name(path.name + f".tmp{time.monotonic_ns()}")
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                meta=np.array([FORMAT_VERSION, self.vocab_size, self.num_char_states, self.start_state]),
-                pattern=_encode_text(self.pattern),
-                accepting=self.accepting,
-                masks=self.masks,
-                indptr=self.indptr,
-                token_ids=self.token_ids,
-                next_states=self.next_states,
-                byte_transitions=self.byte_transitions,
-                jump_chars=_encode_text(joined),
-                jump_offsets=offsets,
-                eos_ids=np.array(self.eos_ids, dtype=np.int64),
-                build_seconds=np.array(self.build_seconds),
-            )
-        tmp.replace(path)  # atomic: concurrent readers never see a half-written file
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # 0600: clients' text
+                self._write(f, joined, offsets)
+            tmp.replace(path)  # atomic: concurrent readers never see a half-written file
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no partial file
+            raise
+
+    def _write(self, f: BinaryIO, joined: str, offsets: np.ndarray) -> None:
+        np.savez(
+            f,
+            meta=np.array([FORMAT_VERSION, self.vocab_size, self.num_char_states, self.start_state]),
+            pattern=_encode_text(self.pattern),
+            accepting=self.accepting,
+            masks=self.masks,
+            indptr=self.indptr,
+            token_ids=self.token_ids,
+            next_states=self.next_states,
+            byte_transitions=self.byte_transitions,
+            jump_chars=_encode_text(joined),
+            jump_offsets=offsets,
+            eos_ids=np.array(self.eos_ids, dtype=np.int64),
+            build_seconds=np.array(self.build_seconds),
+        )
 
     @classmethod
     def load(cls, path: Path) -> TokenIndex:

@@ -13,16 +13,18 @@
   kernel does not mask one) uses the native path.
   Its fused form :func:`cpu_rope_write_attention` also applies RoPE and writes the new K/V (the model's path).
 
-The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides
-``g++``) into the jsgl cache, keyed by source, flags, jax version and CPU. They are written against 16-float
-vectors (``cpu_simd.h``): one AVX-512 register, or two AVX2 registers on CPUs without AVX-512 (AMD before Zen 4,
-Intel client cores since Alder Lake), with tile shapes chosen per ISA (:func:`vector_isa` says which was built).
-Without a compiler or at least AVX2 + FMA + F16C, :func:`available` is False and the engine keeps XLA's dot and
-the native attention (on a 2-core AVX2 machine ~12x slower at batch-1 decode).
+The sources are compiled on first use with the machine's C++ compiler (``-march=native``; ``CXX`` overrides ``g++``)
+into the jsgl cache, keyed by source, flags, jax version and CPU, sealed with an HMAC (a library there without a
+valid one is removed, never loaded; jsgl/cache_security.py); a read-only cache builds them aside. They are written
+against 16-float vectors (``cpu_simd.h``): one AVX-512 register, or two AVX2 registers on CPUs without AVX-512 (AMD
+before Zen 4, Intel client cores since Alder Lake), with tile shapes chosen per ISA (:func:`vector_isa` says which
+was built). Without a compiler or at least AVX2 + FMA + F16C, :func:`available` is False and the engine keeps XLA's
+dot and the native attention (on a 2-core AVX2 machine ~12x slower at batch-1 decode).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -39,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsgl.errors import ConfigError
+from jsgl.cache_security import load_library, seal, unseal
+from jsgl.errors import ConfigError, RefusedError
 from jsgl.kernels.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -47,7 +50,7 @@ from jsgl.kernels.attention import (
     register_attention_backend,
 )
 from jsgl.kernels.quant import QuantBlocks
-from jsgl.paths import cache_dir
+from jsgl.paths import cache_subdir
 
 log = logging.getLogger("jsgl.kernels.cpu")
 
@@ -80,29 +83,72 @@ def hardware_supported() -> bool:
     return "avx512f" in flags or {"avx2", "fma", "f16c"} <= flags
 
 
-def _compile() -> Path:
+def _build_command() -> tuple[list[str], str]:
+    """The compiler's command (less sources and output) and the library's cache key."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-             f"-I{jax.ffi.include_dir()}"]
-    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES), " ".join([cxx, *flags]).encode(),
+    command = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+               f"-I{jax.ffi.include_dir()}"]
+    key = hashlib.sha256(b"\0".join([*(src.read_bytes() for src in _SOURCES), " ".join(command).encode(),
                                      cpu_signature().encode(), jax.__version__.encode()])).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"jsgl_cpu_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: processes may race
-        built = Path(tmp) / out.name
+    return command, key
+
+
+def _kernels_dir() -> Path | None:
+    """``cache_dir()/kernels`` (0700, ours), or None where the cache cannot hold it (read-only)."""
+    try:
+        return cache_subdir("kernels")
+    except OSError as exc:
+        log.warning("jsgl CPU kernels: the cache is not writable (%s); building them in a temporary directory", exc)
+        return None
+
+
+def _scratch(parent: Path | None) -> tempfile.TemporaryDirectory:
+    """A private (0700) directory to build in: under the cache, else (read-only, full) the system's."""
+    try:
+        return tempfile.TemporaryDirectory(prefix="build-", dir=parent)
+    except OSError as exc:
+        log.warning("jsgl CPU kernels: building in a temporary directory (%s)", exc)
+        return tempfile.TemporaryDirectory(prefix="jsgl-kernels-")
+
+
+def _build(command: list[str], scratch_parent: Path | None) -> bytes:
+    """The compiled library's bytes, built in a private scratch directory (processes may race)."""
+    with _scratch(scratch_parent) as tmp:
+        built = Path(tmp) / "jsgl_cpu.so"
         sources = [str(src) for src in _SOURCES if src.suffix == ".cc"]
-        proc = subprocess.run([cxx, *flags, *sources, "-o", str(built)], capture_output=True, text=True)
+        proc = subprocess.run([*command, *sources, "-o", str(built)], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"compiling the jsgl CPU kernels failed:\n{proc.stderr[-3000:]}")
-        os.replace(built, out)
+        return built.read_bytes()
+
+
+def _store(out: Path, library: bytes) -> None:
+    try:
+        seal(out, library)
+    except OSError as exc:  # a full or read-only cache: built again next start
+        log.warning("jsgl CPU kernels: not stored in %s (%s)", out.parent, exc)
+        return
     for stale in out.parent.glob("jsgl_cpu_*.so"):  # builds of older sources (a loaded one stays mapped)
         if stale != out:
-            stale.unlink(missing_ok=True)
-    return out
+            with contextlib.suppress(OSError):
+                stale.unlink()
+
+
+def _load_library() -> ctypes.CDLL:
+    """The kernels' library: the cached build if its HMAC is valid (jsgl/cache_security.py; any other file there is
+    removed, never loaded), else compiled now and cached sealed."""
+    command, key = _build_command()
+    directory = _kernels_dir()
+    if directory is not None:
+        library = unseal(directory / f"jsgl_cpu_{key}.so", "jsgl CPU kernels: cached library")
+        if library is not None:
+            return load_library(library, directory)
+    library = _build(command, directory)
+    if directory is not None:
+        _store(directory / f"jsgl_cpu_{key}.so", library)
+    return load_library(library, directory)
 
 
 def available() -> bool:
@@ -110,10 +156,12 @@ def available() -> bool:
     with _lock:
         if "ok" not in _status:
             try:
-                lib = ctypes.cdll.LoadLibrary(str(_compile()))
+                lib = _load_library()
                 for name in _TARGETS:
                     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
                 _status.update(ok=True, lib=lib)
+            except RefusedError:  # a cache another user could write into: refused, not worked around
+                raise
             except Exception as exc:  # no compiler, no AVX2, ...: fall back, but say why
                 log.warning("jsgl CPU kernels unavailable, using XLA's dot and native attention: %s", exc)
                 _status.update(ok=False, error=str(exc))
