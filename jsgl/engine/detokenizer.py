@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import regex
 from transformers import PreTrainedTokenizerBase
 
@@ -10,8 +12,9 @@ from jsgl.errors import InvalidRequestError
 # A stop_regex is searched from this many characters before the new text (fewer if the pattern's matches
 # are shorter): bounds the per-token cost of a pattern like `a.*b` on a long output.
 STOP_REGEX_WINDOW = 4096
-# One search may take this long; `(a|a)*b`-style backtracking would otherwise stall the engine thread
-# for every request (measured: 30 'a's take seconds). The request fails instead (400-class).
+# A request's stop_regexes may take this long together per new piece of text; `(a|a)*b`-style backtracking (30
+# 'a's take seconds), or many slow patterns, would otherwise stall the engine thread for every request. The request
+# fails instead (400-class).
 STOP_REGEX_TIMEOUT_S = 0.01
 # Tokens already turned into text that are decoded again before new ones: a token's text can depend on its left
 # neighbour (SentencePiece's leading space is dropped from the first token of a decode).
@@ -104,12 +107,14 @@ class IncrementalDetokenizer:
     def _search_regexes(self, old_len: int, cut: tuple[int, int, str] | None) -> tuple[int, int, str] | None:
         """The earliest stop_regex match ending in the new text (earlier text was searched before)."""
         start = max(0, old_len - self._regex_window)
+        deadline = time.perf_counter() + STOP_REGEX_TIMEOUT_S  # one budget for all of them: a step's cost is bounded
         for pattern in self.stop_regexes:
             try:
-                m = pattern.search(self.text, start, timeout=STOP_REGEX_TIMEOUT_S)
+                m = pattern.search(self.text, start, timeout=max(deadline - time.perf_counter(), 1e-6))
             except TimeoutError:
-                raise InvalidRequestError(f"stop_regex {pattern.pattern!r} took over "
-                                          f"{STOP_REGEX_TIMEOUT_S * 1000:g} ms to search the output") from None
+                raise InvalidRequestError(f"the stop_regex patterns took over {STOP_REGEX_TIMEOUT_S * 1000:g} ms "
+                                          f"together to search the output (at {pattern.pattern!r}): give fewer "
+                                          "or simpler ones") from None
             if m is not None and (cut is None or m.start() < cut[0]):
                 cut = (m.start(), m.end(), pattern.pattern)
         return cut
