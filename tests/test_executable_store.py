@@ -121,20 +121,28 @@ def test_an_engine_loads_its_stored_plan_at_start_and_serves_the_same_tokens(sto
         third.shutdown()
 
 
+STORED_ENGINE = dict(max_running_requests=1, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
+
+
+def _fill_the_store(options: dict, greedy) -> tuple[list[int], object]:
+    """A first engine's greedy tokens, and the store directory it filled."""
+    from jsgl.engine.engine import Engine
+
+    first = Engine(precompile="common", **options)
+    try:
+        return first.generate("The capital of France is", greedy).token_ids, first.runner.store.directory
+    finally:
+        first.shutdown()
+
+
 @pytest.mark.slow
 def test_a_stored_step_that_fails_to_run_is_dropped_and_compiled(store_root, monkeypatch):
     from jsgl.engine.engine import Engine
     from jsgl.engine.model_runner import ModelRunner
     from jsgl.engine.request import SamplingParams
 
-    options = dict(max_running_requests=1, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
-    greedy = SamplingParams(max_new_tokens=4, temperature=0)
-    first = Engine(precompile="common", **options)
-    try:
-        expected = first.generate("The capital of France is", greedy).token_ids
-        directory = first.runner.store.directory
-    finally:
-        first.shutdown()
+    options, greedy = STORED_ENGINE, SamplingParams(max_new_tokens=4, temperature=0)
+    expected, directory = _fill_the_store(options, greedy)
     run_padding = ModelRunner.run_padding
 
     def fails_once_loaded(self, signature, compiled):
@@ -160,13 +168,8 @@ def test_an_engine_starts_and_serves_from_a_read_only_store(store_root, monkeypa
     from jsgl.engine.engine import Engine
     from jsgl.engine.request import SamplingParams
 
-    options = dict(max_running_requests=1, chunked_prefill_size=16, kv_cache_gb=0.05, executable_store="on")
-    greedy = SamplingParams(max_new_tokens=4, temperature=0)
-    first = Engine(precompile="common", **options)
-    try:
-        expected = first.generate("The capital of France is", greedy).token_ids
-    finally:
-        first.shutdown()
+    options, greedy = STORED_ENGINE, SamplingParams(max_new_tokens=4, temperature=0)
+    expected, _ = _fill_the_store(options, greedy)
     refuse_writes_under(monkeypatch, store_root, errno.EROFS)  # as a read-only image of a warm cache would
     second = Engine(precompile="common", **options)
     try:
