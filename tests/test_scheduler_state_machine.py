@@ -154,7 +154,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.alloc, passed, max_running=max_running, chunk_size=chunk_size, max_context=MAX_CONTEXT,
             attention_budget_bytes=attention_budget, attention_bytes=attention_bytes, order_waiting=order,
             prefill_share=0.5 if fairness == "share" else 1.0, keys_per_token=32.0,
-            mixed_prefill_tokens=chunk_size // 4 if fairness == "mixed" else 0, padded_attention=fairness != "mixed")
+            mixed_prefill_tokens=chunk_size // 4 if fairness == "mixed" else 0, padded_attention=fairness != "mixed",
+            priority_scheduling=True)  # (off, priorities are ignored: no preemption to check)
         self.step_seconds = random.Random(capacity + chunk_size)  # the fake forward's time, for the time share
         # Observe (never change) the in-batch deferral decision and retractions.
         shares, retract = self.sched._shared_uncached, self.sched.retract
