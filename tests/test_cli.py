@@ -240,6 +240,16 @@ def test_generate(results):
     assert out.startswith("The capital of France is") and len(out.strip()) > len("The capital of France is")
 
 
+@pytest.mark.slow
+def test_the_readmes_first_command_ends_generating(tmp_path):
+    """`jsgl generate` on its own, not through `results` (heavy: CI's command leaves those out), as the README's
+    first command ends."""
+    proc = run(COMMANDS["generate"][0], None, tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    prompt = "The capital of France is"
+    assert proc.stdout.startswith(prompt) and len(proc.stdout.strip()) > len(prompt), proc.stdout
+
+
 def test_chat_answers_then_ends_at_eof(results):
     out, _ = finished(results, "chat")
     assert out.count("assistant> ") == 1  # the blank line is skipped, EOF ends the session
