@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jsgl.engine import multihost
@@ -55,16 +54,10 @@ class EngineThreads:
             self.runner.channel = None
 
 
-def stop_when_unused(owner: Any, threads: EngineThreads) -> Callable[[], None]:
+def stop_when_unused(owner: Any, threads: EngineThreads) -> weakref.finalize:
     """Stop ``threads`` when ``owner`` is collected or the interpreter exits, whichever is first; calling the
-    result stops them now (once: later calls do nothing)."""
+    result stops them now (once: later calls do nothing, and a called finalizer holds nothing of the engine)."""
     finalizer = weakref.finalize(owner, threads.stop)
     finalizer.atexit = False  # (weakref's own exit hook may be older than jax's, and so run after it)
-
-    def stop() -> None:
-        atexit.unregister(stop)  # (the hook held the engine's parts: its weights and KV pool, until exit)
-        finalizer()
-
-    atexit.register(stop)
-    weakref.finalize(owner, atexit.unregister, stop)
-    return stop
+    atexit.register(finalizer)
+    return finalizer

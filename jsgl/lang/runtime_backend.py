@@ -125,13 +125,12 @@ class EngineBackend(BaseBackend):
 
     # Hints ---------------------------------------------------------------------------------------------
 
-    def cache_prefix(self, prefix_str: str | SpannedPrompt) -> None:
+    def cache_prefix(self, prefix_str: str | SpannedPrompt, s: StreamExecutor | None = None) -> None:
         if prompt_text(prefix_str):
-            self._result(prefix_str, {"max_new_tokens": 0})
+            self._result(prefix_str, {"max_new_tokens": 0}, s)
 
     def commit_lazy_operations(self, s: StreamExecutor) -> None:
-        if prompt_text(s.prompt_()):
-            self._result(s.prompt_(), {"max_new_tokens": 0}, s)
+        self.cache_prefix(s.prompt_(), s)
 
     # Select --------------------------------------------------------------------------------------------
 
